@@ -1,0 +1,300 @@
+"""
+The nanomind model: MiniMind's LLaMA-style decoder in one file.
+
+token embedding -> n_layers x [RMSNorm -> grouped-query attention with RoPE -> +residual,
+                               RMSNorm -> SwiGLU feed-forward -> +residual]
+                -> RMSNorm -> LM head (tied to the embedding)
+
+Shapes: B batch, T sequence, H query heads, K key/value heads, D head_dim, V vocab.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class ModelConfig:
+    dim: int = 512
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: int = 2
+    vocab_size: int = 6400
+    max_seq_len: int = 512
+    ffn_dim: int | None = None  # None -> SwiGLU rule: 8/3 * dim rounded up to a multiple of 64
+    rope_theta: float = 1e6
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    flash: bool = True  # F.scaled_dot_product_attention; False -> the explicit math path
+    grad_checkpoint: bool = False  # recompute each block in backward: less memory, more compute
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head_dim = dim / n_heads = {self.dim // self.n_heads} must be even for RoPE")
+        if self.ffn_dim is None:
+            self.ffn_dim = 64 * math.ceil(8 * self.dim / 3 / 64)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every (position, frequency) angle, each (max_seq_len, D/2), in float32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, T, heads, D) by position. Pairs are (x[i], x[i + D/2]) ("rotate half" layout)."""
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)  # (T, 1, D/2); cast: no fp32 round trip
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # x is the float32 residual stream even under autocast, so the statistics are float32
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class KVCache:
+    """One layer's keys and values, preallocated once for a whole generation: (B, K, max_len, D)."""
+
+    def __init__(self, batch_size: int, max_len: int):
+        self.shape = (batch_size, max_len)
+        self.k = self.v = None  # allocated at the first update, in the dtype attention runs in
+
+    def update(self, k, v, start_pos: int):
+        """Write k, v (B, K, T, D) at start_pos; return all keys and values so far, (B, K, start_pos + T, D)."""
+        if self.k is None:
+            B, max_len = self.shape
+            self.k = k.new_zeros(B, k.size(1), max_len, k.size(3))
+            self.v = v.new_zeros(B, v.size(1), max_len, v.size(3))
+        end = start_pos + k.size(2)
+        self.k[:, :, start_pos:end] = k
+        self.v[:, :, start_pos:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
+        self.head_dim = config.dim // config.n_heads
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        self.dropout = config.dropout
+        self.flash = config.flash
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None, start_pos: int = 0):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D), (B, K, T, D)
+        if cache is not None:
+            k, v = cache.update(k, v, start_pos)  # (B, K, S, D), S = start_pos + T
+        dropout = self.dropout if self.training else 0.0
+        if self.flash:
+            # is_causal masks top-left aligned, right when queries start at key 0; a decode step
+            # (start_pos > 0, T == 1, checked by Transformer) attends to every cached key
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=start_pos == 0, enable_gqa=True)
+        else:
+            y = self.math_attention(q, k, v, start_pos, dropout)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return F.dropout(self.wo(y), dropout, self.training)
+
+    def math_attention(self, q, k, v, start_pos: int, dropout: float):
+        """softmax(q k^T / sqrt(D) + causal mask) v, written out; the reference the flash path is tested against."""
+        n_rep = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)  # query head h reads kv head h // n_rep
+        T, S = q.size(2), k.size(2)
+        scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(self.head_dim)  # (B, H, T, S)
+        # query t sits at absolute position start_pos + t and may see keys 0 .. start_pos + t
+        visible = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=start_pos)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = F.dropout(scores.softmax(dim=-1), dropout, self.training)  # fp32 softmax: bf16 loses the tail
+        return probs.to(v.dtype) @ v  # (B, H, T, D)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)  # down
+        self.dropout = config.dropout
+
+    def forward(self, x):
+        return F.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)), self.dropout, self.training)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None, start_pos: int = 0):
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # RoPE tables are derived from the config, so they stay out of the state dict
+        cos, sin = rope_tables(config.dim // config.n_heads, config.max_seq_len, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+        self.apply(self._init_weights)
+        # residual output projections: each block adds two, so shrink them to keep the stream's variance flat
+        for name, p in self.named_parameters():
+            if name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layers))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def hidden_states(self, idx, caches: list[KVCache] | None = None, start_pos: int = 0):
+        """Token ids (B, T) -> final normalised hidden states (B, T, dim)."""
+        T = idx.size(1)
+        if start_pos + T > self.config.max_seq_len:
+            raise ValueError(f"sequence of {start_pos + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
+        if start_pos > 0 and T > 1:
+            raise ValueError("with a KV cache, only the prefill (start_pos 0) may feed more than one token")
+        cos, sin = self.rope_cos[start_pos : start_pos + T], self.rope_sin[start_pos : start_pos + T]
+        x = F.dropout(self.tok_embeddings(idx), self.config.dropout, self.training)
+        for i, layer in enumerate(self.layers):
+            if self.config.grad_checkpoint and self.training:
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, caches[i] if caches else None, start_pos)
+        return self.norm(x)
+
+    def forward(self, idx, targets=None, loss_mask=None, caches: list[KVCache] | None = None, start_pos: int = 0):
+        """With targets (B, T): (logits (B, T, V) float32, masked mean cross-entropy).
+        Without: (logits of the last position (B, 1, V), None)."""
+        h = self.hidden_states(idx, caches, start_pos)
+        if targets is None:
+            return self.output(h[:, -1:]), None
+        logits = self.output(h).float()  # fp32 for the loss: bf16 log-softmax over 6400 classes is too coarse
+        ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+        if loss_mask is None:
+            return logits, ce.mean()
+        # clamp: a batch with nothing to learn gives loss 0 (and zero gradients), never 0/0 = NaN
+        return logits, (ce * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+
+    def token_logprobs(self, idx, targets):
+        """log p(targets[b, t] | idx[b, :t+1]) for every position, (B, T) float32."""
+        logits = self.output(self.hidden_states(idx)).float()  # (B, T, V)
+        # log_softmax(logits)[target] = logit[target] - logsumexp(logits), without a (B, T, V) log_softmax tensor
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(dim=-1)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, **sampling):
+        """Prompt (B, T) -> prompt followed by max_new_tokens tokens (fewer if every row hit eos_id). See stream()."""
+        return torch.cat([idx, *self.stream(idx, max_new_tokens, **sampling)], dim=1)
+
+    @torch.no_grad()
+    def stream(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+               top_p: float | None = None, repetition_penalty: float = 1.0, eos_id: int | None = None,
+               use_cache: bool = True):
+        """Yield the next token of every row, (B, 1), one step at a time; temperature 0 is greedy.
+        A row that has produced eos_id keeps yielding eos_id; the stream ends when all rows have.
+        use_cache=False recomputes the whole prefix every step (the reference the cache is tested against)."""
+        B, T = idx.shape
+        total = T + max_new_tokens
+        if total > self.config.max_seq_len:
+            raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len={self.config.max_seq_len}")
+        caches = [KVCache(B, total) for _ in self.layers] if use_cache else None
+        seq = idx.new_empty(B, total)  # prompt + generated ids, for the uncached path and the repetition penalty
+        seq[:, :T] = idx
+        done = torch.zeros(B, dtype=torch.bool, device=idx.device)
+        logits, _ = self(idx, caches=caches)  # prefill
+        for t in range(T, total):
+            next_id = sample_next(logits[:, -1], seq[:, :t], temperature, top_k, top_p, repetition_penalty)
+            if eos_id is not None:
+                next_id = next_id.masked_fill(done[:, None], eos_id)
+                done |= next_id[:, 0] == eos_id
+            seq[:, t : t + 1] = next_id
+            yield next_id
+            if t + 1 == total or (eos_id is not None and done.all()):  # host sync once per token: fine when sampling
+                return
+            logits, _ = self(next_id, caches=caches, start_pos=t) if use_cache else self(seq[:, : t + 1])
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # a tied weight is one parameter, counted once
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward), the numerator of MFU."""
+        # 2 FLOPs per weight per token forward in every matmul; the embedding lookup is no matmul unless
+        # its weight is also the LM head; 1-D norm gains are not matmuls
+        n = sum(p.numel() for p in self.parameters() if p.dim() >= 2)
+        if not self.config.tie_embeddings:
+            n -= self.tok_embeddings.weight.numel()
+        # causal attention: a token at position t does q.k and p.v over t keys, 2 * 2 * dim * t FLOPs per layer
+        # forward; the mean of t over the sequence is seq_len / 2
+        attention = 2 * self.config.n_layers * self.config.dim * seq_len
+        return 3 * (2 * n + attention)
+
+    def configure_optimizers(self, weight_decay: float, lr: float, betas: tuple[float, float], device_type: str):
+        """AdamW; weight decay on matmul weights and the embedding (>= 2-D), not on norm gains."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        # the fused kernel is one launch for all parameters on CUDA; elsewhere the foreach default
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True if device_type == "cuda" else None)
+
+
+def sample_next(logits, history, temperature: float, top_k: int | None, top_p: float | None,
+                repetition_penalty: float):
+    """Pick the next id (B, 1) from last-position logits (B, V) given the ids so far (B, T)."""
+    logits = logits.float()
+    if repetition_penalty != 1.0:
+        # CTRL's penalty on every id already in the sequence: shrink positive logits, push negative ones down
+        seen = logits.gather(1, history)
+        logits = logits.scatter(1, history, torch.where(seen > 0, seen / repetition_penalty, seen * repetition_penalty))
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        # nucleus: keep the most likely ids until their mass reaches top_p (the first id always stays)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(dim=-1), num_samples=1)

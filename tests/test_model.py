@@ -1,0 +1,271 @@
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import ModelConfig, Transformer, apply_rope
+from train_utils import load_config
+
+
+def tiny(**overrides) -> Transformer:
+    torch.manual_seed(0)
+    cfg = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=64)
+    return Transformer(ModelConfig(**{**cfg, **overrides}))
+
+
+def batch(model, B=3, T=17, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (B, T + 1), generator=g)
+
+
+def test_26m_has_exactly_the_minimind_parameter_count():
+    (cfg,) = load_config(["configs/26m.py"], ModelConfig)
+    assert cfg.ffn_dim == 1408
+    with torch.device("meta"):
+        assert Transformer(cfg).num_params() == 25_829_888
+
+
+def test_104m_is_within_one_percent_of_104m():
+    (cfg,) = load_config(["configs/104m.py"], ModelConfig)
+    with torch.device("meta"):
+        n = Transformer(cfg).num_params()
+    assert abs(n - 104e6) / 104e6 < 0.01
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(n_heads=8, n_kv_heads=3), "n_kv_heads"),
+    (dict(dim=100, n_heads=8), "divisible by n_heads"),
+])
+def test_bad_head_configs_are_rejected(bad, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**{**dict(dim=64, n_heads=4, n_kv_heads=2), **bad})
+
+
+def test_flash_and_math_attention_agree_in_logits_and_gradients():
+    flash = tiny(flash=True)
+    math_ = copy.deepcopy(flash)
+    for layer in math_.layers:
+        layer.attention.flash = False
+    data = batch(flash)
+    logits_f, loss_f = flash(data[:, :-1], data[:, 1:])
+    logits_m, loss_m = math_(data[:, :-1], data[:, 1:])
+    assert (logits_f - logits_m).abs().max() <= 1e-5
+    loss_f.backward()
+    loss_m.backward()
+    for (name, pf), pm in zip(flash.named_parameters(), math_.parameters()):
+        assert torch.allclose(pf.grad, pm.grad, atol=1e-6, rtol=1e-4), name
+
+
+def sharpen(model: Transformer) -> Transformer:
+    """At init a model's next token mostly echoes the current one; larger weights make context matter."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4)
+    return model
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_decoding_with_the_kv_cache_gives_the_logits_of_a_full_forward(flash):
+    from model import KVCache
+    model = sharpen(tiny(flash=flash)).eval()
+    idx = batch(model, B=2, T=12)[:, :-1]
+    full = model.output(model.hidden_states(idx))  # (B, 12, V)
+    caches = [KVCache(2, 12) for _ in model.layers]
+    steps = [model(idx[:, :5], caches=caches)[0]]
+    for t in range(5, 12):
+        steps.append(model(idx[:, t : t + 1], caches=caches, start_pos=t)[0])
+    assert torch.allclose(torch.cat(steps, dim=1), full[:, 4:], atol=1e-5)
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_greedy_generation_with_kv_cache_equals_recomputation(flash):
+    model = sharpen(tiny(flash=flash)).eval()
+    prompt = batch(model, B=3, T=5)
+    cached = model.generate(prompt, 30, temperature=0, use_cache=True)
+    uncached = model.generate(prompt, 30, temperature=0, use_cache=False)
+    assert cached.shape == (3, 36)
+    assert torch.equal(cached, uncached)
+    assert torch.equal(cached[:, :6], prompt)
+
+
+def test_sampling_with_kv_cache_equals_recomputation_under_the_same_seed():
+    model = tiny().eval()
+    prompt = batch(model, B=2, T=4)
+    outs = []
+    for use_cache in (True, False):
+        torch.manual_seed(123)
+        outs.append(model.generate(prompt, 20, temperature=0.8, top_k=20, top_p=0.9, use_cache=use_cache))
+    assert torch.equal(*outs)
+
+
+def test_generation_refuses_to_run_past_max_seq_len():
+    model = tiny(max_seq_len=16).eval()
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model.generate(batch(model, B=1, T=10), 10, temperature=0)
+
+
+def test_rows_stop_at_eos_and_the_stream_ends_when_all_have():
+    model = tiny().eval()
+    prompt = batch(model, B=2, T=3)
+    free = model.generate(prompt, 12, temperature=0)
+    eos = int(free[0, 6])  # row 0 produces this id at its 4th new token
+    out = model.generate(prompt, 12, temperature=0, eos_id=eos)
+    for row in range(2):
+        new = out[row, 4:].tolist()
+        if eos in new:
+            first = new.index(eos)
+            assert all(t == eos for t in new[first:])
+            assert new[:first] == free[row, 4 : 4 + first].tolist()
+        else:
+            assert new == free[row, 4:].tolist()
+    assert eos in out[0, 4:].tolist()
+
+
+def test_top_k_1_and_a_tiny_top_p_are_greedy():
+    model = tiny().eval()
+    prompt = batch(model, B=2, T=4)
+    greedy = model.generate(prompt, 10, temperature=0)
+    torch.manual_seed(0)
+    assert torch.equal(model.generate(prompt, 10, temperature=1.0, top_k=1), greedy)
+    torch.manual_seed(0)
+    assert torch.equal(model.generate(prompt, 10, temperature=1.0, top_p=1e-6), greedy)
+
+
+def test_repetition_penalty_lowers_seen_tokens():
+    from model import sample_next
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    history = torch.tensor([[3, 1]])
+    # id 3: 3.0 / 2 = 1.5 < 2.0, so greedy now picks id 0; id 1 is pushed further down
+    assert sample_next(logits, history, 0, None, None, 2.0).item() == 0
+    assert sample_next(logits, history, 0, None, None, 1.0).item() == 3
+
+
+def test_causality_a_changed_token_changes_no_earlier_logit():
+    model = tiny().eval()
+    idx = batch(model, B=2, T=20)[:, :-1]
+    changed = idx.clone()
+    t = 11
+    changed[:, t] = (changed[:, t] + 1) % model.config.vocab_size
+    a = model.output(model.hidden_states(idx))
+    b = model.output(model.hidden_states(changed))
+    assert torch.allclose(a[:, :t], b[:, :t], atol=1e-6, rtol=0)
+    assert not torch.allclose(a[:, t:], b[:, t:], atol=1e-3)
+
+
+def naive_mha_block_attention(attn, x, cos, sin):
+    """Ordinary multi-head attention, one head at a time (n_kv_heads == n_heads)."""
+    B, T, _ = x.shape
+    H, D = attn.n_heads, attn.head_dim
+    q = apply_rope(attn.wq(x).view(B, T, H, D), cos, sin)
+    k = apply_rope(attn.wk(x).view(B, T, H, D), cos, sin)
+    v = attn.wv(x).view(B, T, H, D)
+    mask = torch.ones(T, T).tril().bool()
+    heads = []
+    for h in range(H):
+        scores = q[:, :, h] @ k[:, :, h].transpose(1, 2) / math.sqrt(D)
+        heads.append(scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v[:, :, h])
+    return attn.wo(torch.cat(heads, dim=-1))
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_gqa_with_as_many_kv_heads_as_heads_is_ordinary_mha(flash):
+    model = tiny(n_heads=4, n_kv_heads=4, flash=flash)
+    attn = model.layers[0].attention
+    x = torch.randn(2, 9, 64)
+    cos, sin = model.rope_cos[:9], model.rope_sin[:9]
+    assert torch.allclose(attn(x, cos, sin), naive_mha_block_attention(attn, x, cos, sin), atol=1e-6)
+
+
+def test_gqa_equals_mha_whose_kv_heads_are_repeated_per_group():
+    gqa = tiny(n_heads=4, n_kv_heads=2)
+    mha = tiny(n_heads=4, n_kv_heads=4)
+    state = gqa.state_dict()
+    D = 64 // 4
+    for key in list(state):
+        if key.endswith(("wk.weight", "wv.weight")):  # (K*D, dim) -> each kv head serves n_heads/K query heads
+            state[key] = state[key].view(2, D, 64).repeat_interleave(2, dim=0).reshape(4 * D, 64)
+    mha.load_state_dict(state)
+    data = batch(gqa)
+    assert torch.allclose(gqa(data[:, :-1], data[:, 1:])[0], mha(data[:, :-1], data[:, 1:])[0], atol=1e-5)
+
+
+def test_loss_is_the_hand_computed_masked_mean_of_cross_entropy():
+    model = tiny()
+    data = batch(model)
+    x, y = data[:, :-1], data[:, 1:]
+    mask = (torch.rand(y.shape, generator=torch.Generator().manual_seed(3)) > 0.4).float()
+    logits, loss = model(x, y, mask)
+    nll = -logits.log_softmax(-1).gather(-1, y[..., None])[..., 0]
+    assert torch.allclose(loss, (nll * mask).sum() / mask.sum(), atol=1e-6)
+    assert torch.allclose(model(x, y)[1], nll.mean(), atol=1e-6)
+
+
+def test_an_all_zero_mask_gives_a_finite_loss_and_zero_gradients():
+    model = tiny()
+    data = batch(model)
+    _, loss = model(data[:, :-1], data[:, 1:], torch.zeros(data[:, 1:].shape))
+    loss.backward()
+    assert torch.isfinite(loss) and loss.item() == 0.0
+    assert all(p.grad.abs().max() == 0 for p in model.parameters())
+
+
+def test_token_logprobs_are_the_negated_per_token_cross_entropy():
+    model = tiny()
+    data = batch(model)
+    x, y = data[:, :-1], data[:, 1:]
+    logits, _ = model(x, y)
+    expected = logits.log_softmax(-1).gather(-1, y[..., None])[..., 0]
+    assert torch.allclose(model.token_logprobs(x, y), expected, atol=1e-5)
+
+
+def test_grad_checkpoint_gives_the_same_loss_and_gradients():
+    plain = tiny(dropout=0.1)
+    ckpt = copy.deepcopy(plain)
+    ckpt.config.grad_checkpoint = True
+    data = batch(plain)
+    losses = []
+    for model in (plain, ckpt):
+        torch.manual_seed(7)  # same dropout masks; checkpoint replays the RNG state in the recompute
+        _, loss = model(data[:, :-1], data[:, 1:])
+        loss.backward()
+        losses.append(loss)
+    assert torch.equal(losses[0], losses[1])
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-7), name
+
+
+def test_a_two_layer_model_overfits_one_batch():
+    model = tiny()
+    data = batch(model, B=4, T=32)
+    opt = model.configure_optimizers(weight_decay=0.0, lr=3e-3, betas=(0.9, 0.95), device_type="cpu")
+    first = None
+    for _ in range(300):
+        _, loss = model(data[:, :-1], data[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        first = first or loss.item()
+    assert loss.item() < 0.1 * first
+
+
+def test_weight_decay_applies_to_matrices_only_and_covers_every_parameter_once():
+    model = tiny()
+    opt = model.configure_optimizers(weight_decay=0.1, lr=1e-3, betas=(0.9, 0.95), device_type="cpu")
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    ids = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters())
+    # the tied LM head / embedding matrix appears once
+    assert model.output.weight is model.tok_embeddings.weight
+
+
+def test_flops_per_token_of_26m_by_hand():
+    (cfg,) = load_config(["configs/26m.py"], ModelConfig)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    matmul_weights = 25_829_888 - (2 * 8 + 1) * 512  # minus the RMSNorm gains
+    assert model.flops_per_token(512) == 6 * matmul_weights + 6 * 8 * 512 * 512
