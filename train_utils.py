@@ -1,10 +1,26 @@
 """
-The mechanics every train_*.py shares, written once: configuration, the LR schedule.
+The mechanics every train_*.py shares, written once: configuration, distributed setup, precision, the LR
+schedule, the optimizer step (unscale, clip, skip non-finite), checkpoints, evaluation and the metrics log.
+The training loop itself stays in each script.
 """
 import ast
 import dataclasses
+import glob
+import json
+import math
+import os
+import random
+import resource
+import signal
+import sys
+import time
 import types
 import typing
+from contextlib import contextmanager, nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
 
 
 # -----------------------------------------------------------------------------
@@ -48,7 +64,7 @@ def check_type(key: str, value, annotation, source: str):
 
 def load_config(argv: list[str], *schemas):
     """Build one instance of each dataclass in schemas from `[config_file] [--key=value ...]`.
-    Every key must belong to exactly one schema and match its field's type."""
+    Every key must belong to one of the schemas and match its field's type."""
     argv = list(argv or [])
     settings = []  # (key, value, source), applied in order: the file first, then the flags
     if argv and not argv[0].startswith("--"):
@@ -67,3 +83,422 @@ def load_config(argv: list[str], *schemas):
         schema, annotation = fields[key]
         values[schema][key] = check_type(key, value, annotation, source)
     return tuple(schema(**values[schema]) for schema in schemas)
+
+
+# -----------------------------------------------------------------------------
+# processes, devices and precision
+
+def master_process() -> bool:
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def print0(*args, **kwargs):
+    if master_process():
+        print(*args, **kwargs, flush=True)
+
+
+@dataclasses.dataclass
+class Run:
+    device: torch.device
+    dtype: str  # float32 | bfloat16 | float16
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def ddp(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self):
+        if self.dtype == "float32":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, self.dtype))
+
+    @contextmanager
+    def rank0_first(self):
+        """Rank 0 runs the block first (e.g. builds a data cache), the other ranks then run it (and read it)."""
+        if self.ddp and not self.master:
+            dist.barrier()
+        yield
+        if self.ddp and self.master:
+            dist.barrier()
+
+
+def setup(device: str, dtype: str, seed: int) -> Run:
+    """Pick device and precision, join torchrun's process group if launched by it, and seed every RNG.
+    Every rank seeds alike (the model starts identical everywhere); call seed_rank() after building it."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "float32" if device == "cpu" else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"config key 'dtype' must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    run = Run(torch.device(device), dtype)
+    if "RANK" in os.environ:  # launched by torchrun: join the group or fail, never train unsynchronised
+        run.rank, run.local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        run.world_size = int(os.environ["WORLD_SIZE"])
+        if run.device.type == "cuda":
+            run.device = torch.device("cuda", run.local_rank)
+            torch.cuda.set_device(run.device)
+        dist.init_process_group("nccl" if run.device.type == "cuda" else "gloo", device_id=run.device if run.device.type == "cuda" else None)
+        if dist.get_world_size() != run.world_size:
+            raise RuntimeError(f"process group has {dist.get_world_size()} ranks, WORLD_SIZE says {run.world_size}")
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return run
+
+
+def seed_rank(seed: int, run: Run):
+    """After the model is built: a different random stream per rank (dropout), reproducible per rank."""
+    torch.manual_seed(seed + run.rank)
+
+
+def teardown(run: Run):
+    if run.ddp and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_mean(t: torch.Tensor, run: Run) -> torch.Tensor:
+    if run.ddp:
+        t = t.clone()
+        dist.all_reduce(t)
+        t /= run.world_size
+    return t
+
+
+# -----------------------------------------------------------------------------
+# schedule and optimizer step
+
+def get_lr(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
+    """Linear warmup from 0 to lr, cosine decay to min_lr at max_steps, min_lr after. step = optimizer steps taken."""
+    if step < warmup_steps:
+        return lr * step / warmup_steps
+    if step >= max_steps:
+        return min_lr
+    progress = (step - warmup_steps) / (max_steps - warmup_steps)
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer, lr: float):
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def optimizer_step(model, optimizer, scaler, max_grad_norm: float, loss_sum: torch.Tensor, run: Run,
+                   bad_steps: int, max_bad_steps: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Unscale, clip and step, unless the loss or the gradient norm is not finite: then skip the update.
+    loss_sum is this rank's summed micro-batch losses. Returns (its mean over ranks, grad norm before
+    clipping, consecutive skipped steps); raises NonFiniteError after max_bad_steps skips in a row."""
+    loss_sum = all_reduce_mean(loss_sum, run)  # every rank decides alike, or their weights would drift apart
+    scaler.unscale_(optimizer)  # clip the true gradients, not the float16-scaled ones
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
+    finite = bool(torch.isfinite(grad_norm + loss_sum))  # the one host sync per optimizer step
+    if finite or scaler.is_enabled():
+        scaler.step(optimizer)  # float16: the scaler skips inf/NaN steps itself and lowers its scale
+        scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    if finite:
+        return loss_sum, grad_norm, 0
+    if bad_steps + 1 >= max_bad_steps:
+        raise NonFiniteError(f"{bad_steps + 1} optimizer steps in a row had a non-finite loss or gradient "
+                             f"(loss {loss_sum.item()}, grad norm {grad_norm.item()}); lower lr, check the data, "
+                             f"or use bfloat16 instead of float16")
+    return loss_sum, grad_norm, bad_steps + 1
+
+
+# -----------------------------------------------------------------------------
+# checkpoints
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gather_rng_states(run: Run) -> list[dict]:
+    """Every rank's RNG state, so that a resumed DDP run continues each rank's random stream."""
+    if not run.ddp:
+        return [rng_state()]
+    states = [None] * run.world_size
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+def rank_weight_diff(model, run: Run) -> float:
+    """max |w - w on rank 0| over every weight and rank: 0.0 while the replicas are in sync."""
+    flat = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    diff = (flat - reference).abs().max()
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return diff.item()
+
+
+def atomic_save(obj, path: str):
+    """torch.save to a temp file, fsync, rename: a crash leaves the old file or the new one, never half."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)  # make the rename itself durable
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path: str) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint not found: {path}") from None
+    except Exception as e:  # truncated or garbled: torch raises several kinds
+        others = sorted(set(glob.glob(os.path.join(os.path.dirname(path) or ".", "*.pt"))) - {path})
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e}); "
+                              f"other checkpoints there: {others or 'none'}") from None
+
+
+def load_model_state(model, state_dict: dict, source: str):
+    """load_state_dict(strict=True), with an error that lists every missing, unexpected or reshaped key."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    reshaped = [f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}"
+                for k, v in own.items() if k in state_dict and state_dict[k].shape != v.shape]
+    if missing or unexpected or reshaped:
+        raise CheckpointError(f"weights in {source} do not fit this model: missing {missing}, unexpected "
+                              f"{unexpected}, other shape {reshaped}")
+    model.load_state_dict(state_dict)
+
+
+# -----------------------------------------------------------------------------
+# signals: finish the current step, save, exit
+
+class StopSignal:
+    """SIGINT/SIGTERM set a flag; the loop checks it between optimizer steps, saves and exits."""
+
+    def __init__(self):
+        self.received = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        if self.received:  # a second Ctrl-C: the user means it
+            raise KeyboardInterrupt
+        self.received = True
+        print(f"\nreceived signal {signum}: saving a checkpoint after this step, then exiting", file=sys.stderr, flush=True)
+
+    def requested(self, run: Run) -> bool:
+        """All ranks agree, so no rank leaves the loop while another waits in a collective."""
+        if not run.ddp:
+            return self.received
+        flag = torch.tensor([float(self.received)], device=run.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+# -----------------------------------------------------------------------------
+# measurement, evaluation, logging
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024) / 1e9
+
+
+def measure_peak_flops(device: torch.device, dtype: str, n: int = 2048, repeats: int = 10) -> float:
+    """FLOP/s of a large square matmul in dtype on device: the attainable peak MFU is measured against."""
+    a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
+    b = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
+    for _ in range(2):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * n**3 * repeats / (time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def evaluate(loss_fn, loader, steps: int, run: Run) -> dict[str, float]:
+    """Mean of loss_fn(X, Y, loss_mask) -> {name: scalar tensor} over the first `steps` batches of loader
+    (all of it if fewer), averaged over ranks. The loader restarts from its first batch every time."""
+    loader.load_state_dict({"epoch": 0, "pos": 0})
+    totals: dict[str, torch.Tensor] = {}
+    n = min(steps, len(loader))
+    for _ in range(n):
+        for k, v in loss_fn(*loader.next_batch()).items():
+            totals[k] = totals.get(k, 0) + v.detach().float()
+    return {k: all_reduce_mean(v / n, run).item() for k, v in totals.items()}
+
+
+def validation_loss(model, loader, steps: int, run: Run) -> float:
+    """The language-model loss (masked mean cross-entropy) on the first `steps` validation batches."""
+    model.eval()
+    with run.autocast():
+        loss = evaluate(lambda X, Y, M: {"loss": model(X, Y, M)[1]}, loader, steps, run)["loss"]
+    model.train()
+    return loss
+
+
+def start(cfg, model_cfg, run: Run) -> str | None:
+    """Print the final config, create out_dir, and return the checkpoint to resume from (None: a fresh run).
+    A fresh run refuses an out_dir that holds checkpoints: nothing already written is overwritten."""
+    print0(f"config: {dataclasses.asdict(cfg)}\nmodel: {dataclasses.asdict(model_cfg)}\n"
+           f"device {run.device}, dtype {run.dtype}, {run.world_size} rank(s)")
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    latest = latest_checkpoint(cfg.out_dir)
+    if latest and not cfg.resume:
+        raise ConfigError(f"{cfg.out_dir} already holds checkpoints: pass --resume=True to continue, or another out_dir")
+    return latest if cfg.resume else None
+
+
+def latest_checkpoint(out_dir: str) -> str | None:
+    paths = sorted(glob.glob(os.path.join(out_dir, "step_*.pt")))
+    return paths[-1] if paths else None
+
+
+def wrap(model, cfg, run: Run):
+    """The model the loop trains: compiled if asked, DDP-wrapped under torchrun. Keep the unwrapped one too."""
+    if cfg.compile:
+        model = torch.compile(model)
+    if run.ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
+    return model
+
+
+class Progress:
+    """Everything around the optimizer step that every stage does alike: resume, log lines and
+    out_dir/metrics.jsonl rows (loss, ppl, lr, grad norm, tokens/s, MFU, memory, ETA), evaluation rows, and
+    checkpoints: out_dir/step_0000123.pt for the last keep_checkpoints saves, out_dir/best.pt for the best."""
+
+    def __init__(self, cfg, model_cfg, run: Run, model, optimizer, scaler, loader, max_steps: int):
+        self.cfg, self.model_cfg, self.run, self.max_steps = cfg, model_cfg, run, max_steps
+        self.model, self.optimizer, self.scaler, self.loader = model, optimizer, scaler, loader
+        self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        self.stop = StopSignal()
+        self.peak_flops = cfg.peak_flops or measure_peak_flops(run.device, run.dtype)
+        self.tokens = self.flops = 0  # this rank's, since the last log line
+        self.wandb = None
+
+    def resume(self, path: str | None) -> dict:
+        """Load the checkpoint at path (if any) into model, optimizer, scaler, loader and the RNGs; open the
+        metrics log (dropping rows past the checkpoint: they were written after it). Returns its extras."""
+        state = {"step": 0}
+        if path:
+            state = load_checkpoint(path)
+            load_model_state(self.model, state["model"], path)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scaler.load_state_dict(state["scaler"])
+            self.loader.load_state_dict(state["loader"])
+            set_rng_state(state["rng"][self.run.rank])
+            print0(f"resumed from {path} at step {state['step']}")
+        if self.run.master:
+            kept = []
+            if path and os.path.exists(self.metrics_path):
+                with open(self.metrics_path, encoding="utf-8") as f:
+                    kept = [line for line in f if line.strip() and json.loads(line)["step"] <= state["step"]]
+            with open(f"{self.metrics_path}.tmp", "w", encoding="utf-8") as f:
+                f.writelines(kept)
+            os.replace(f"{self.metrics_path}.tmp", self.metrics_path)
+            if self.cfg.wandb:
+                import wandb  # optional: only when asked for
+
+                self.wandb = wandb.init(project="nanomind", name=os.path.basename(os.path.normpath(self.cfg.out_dir)),
+                                        config=dataclasses.asdict(self.cfg))
+        self.t_start = self.t_log = time.time()
+        self.start_step = self.log_step = state["step"]
+        return state.get("extras", {}) | {"step": state["step"]}
+
+    def count(self, X: torch.Tensor):
+        """Call once per micro-batch: tokens (and FLOPs) processed, for tokens/s and MFU."""
+        self.tokens += X.numel()
+        self.flops += self.model.flops_per_token(X.size(1)) * X.numel()
+
+    def write(self, row: dict):
+        if not self.run.master:
+            return
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(row, step=row["step"])
+        print0(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+
+    def log(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor, **extra):
+        """Every log_interval steps (and the last): one row. loss is the mean over the accumulation window
+        and the ranks; .item() here is the loop's only other host sync."""
+        if step % self.cfg.log_interval and step != self.max_steps:
+            return
+        now = time.time()
+        seconds = now - self.t_log
+        loss_value = loss.item()
+        row = {"step": step, "loss": loss_value, "ppl": math.exp(min(loss_value, 700)), "lr": lr,
+               "grad_norm": grad_norm.item(), **{k: v.item() if torch.is_tensor(v) else v for k, v in extra.items()},
+               "tokens_per_s": self.tokens * self.run.world_size / seconds,
+               "mfu": self.flops / seconds / self.peak_flops, "mem_gb": peak_memory_gb(self.run.device),
+               "elapsed_s": now - self.t_start, "eta_s": (now - self.t_start) / (step - self.start_step) * (self.max_steps - step)}
+        self.write(row)
+        self.t_log, self.log_step, self.tokens, self.flops = now, step, 0, 0
+
+    def stop_requested(self, step: int) -> bool:
+        """A SIGINT/SIGTERM arrived; checked at log steps only, where all ranks agree without an extra sync."""
+        return (step % self.cfg.log_interval == 0 or step == self.max_steps) and self.stop.requested(self.run)
+
+    def evaluate(self, step: int, metrics_fn) -> dict[str, float]:
+        """Run metrics_fn() -> {name: value} and log it as an evaluation row (with val_ppl beside val_loss).
+        Its time does not count against the training tokens/s."""
+        t0 = time.time()
+        metrics = metrics_fn()
+        row = {"step": step, **metrics}
+        if "val_loss" in metrics:
+            row["val_ppl"] = math.exp(min(metrics["val_loss"], 700))
+        self.write(row)
+        self.t_log += time.time() - t0
+        return metrics
+
+    def save(self, step: int, extras: dict, best: bool = False):
+        """Checkpoint everything a resume needs: full-precision weights, optimizer, scaler, data position, every
+        rank's RNG states, config. Every rank must call this (RNG states are gathered); rank 0 writes."""
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scaler": self.scaler.state_dict(), "loader": self.loader.state_dict(), "step": step,
+                 "extras": extras, "config": dataclasses.asdict(self.cfg),
+                 "model_config": dataclasses.asdict(self.model_cfg), "rng": gather_rng_states(self.run)}
+        if self.run.ddp:  # DDP keeps replicas identical; prove it rather than checkpoint one of many
+            state["rank_weight_diff"] = rank_weight_diff(self.model, self.run)
+            if state["rank_weight_diff"] > 0:
+                raise RuntimeError(f"ranks hold different weights (max |diff| {state['rank_weight_diff']:.3g})")
+        if not self.run.master:
+            return
+        if not all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point()):
+            raise NonFiniteError("refusing to save a model with non-finite weights")
+        t0 = time.time()
+        atomic_save(state, os.path.join(self.cfg.out_dir, "best.pt" if best else f"step_{step:07d}.pt"))
+        if not best:
+            for old in sorted(glob.glob(os.path.join(self.cfg.out_dir, "step_*.pt")))[: -self.cfg.keep_checkpoints]:
+                os.remove(old)
+        self.t_log += time.time() - t0  # saving is not training time

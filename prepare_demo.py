@@ -1,0 +1,233 @@
+"""
+Write the synthetic bilingual demo data set: small, seeded, and checkable.
+
+Its world is capital cities and continents of 40 countries and the sums of two numbers, stated in English and
+Chinese. Pretraining text states every fact (held-out ones included) in several phrasings; SFT conversations
+and DPO pairs ask about all but the held-out facts; eval.jsonl asks about the held-out ones, so a model can
+only answer them by combining what pretraining taught (the fact) with what SFT taught (the answer format).
+
+    python prepare_demo.py            # -> data/demo/{pretrain,sft,dpo,dpo_eval,eval}.jsonl
+
+It is synthetic: real training uses MiniMind-format files (see README).
+"""
+import argparse
+import json
+import os
+import random
+
+# (English name, Chinese name, capital, Chinese capital, continent index)
+COUNTRIES = [
+    ("France", "法国", "Paris", "巴黎", 0), ("Germany", "德国", "Berlin", "柏林", 0),
+    ("Italy", "意大利", "Rome", "罗马", 0), ("Spain", "西班牙", "Madrid", "马德里", 0),
+    ("Japan", "日本", "Tokyo", "东京", 1), ("China", "中国", "Beijing", "北京", 1),
+    ("Russia", "俄罗斯", "Moscow", "莫斯科", 0), ("Egypt", "埃及", "Cairo", "开罗", 2),
+    ("Canada", "加拿大", "Ottawa", "渥太华", 3), ("Australia", "澳大利亚", "Canberra", "堪培拉", 5),
+    ("Brazil", "巴西", "Brasilia", "巴西利亚", 4), ("India", "印度", "New Delhi", "新德里", 1),
+    ("Mexico", "墨西哥", "Mexico City", "墨西哥城", 3), ("Argentina", "阿根廷", "Buenos Aires", "布宜诺斯艾利斯", 4),
+    ("Kenya", "肯尼亚", "Nairobi", "内罗毕", 2), ("Greece", "希腊", "Athens", "雅典", 0),
+    ("Portugal", "葡萄牙", "Lisbon", "里斯本", 0), ("Sweden", "瑞典", "Stockholm", "斯德哥尔摩", 0),
+    ("Norway", "挪威", "Oslo", "奥斯陆", 0), ("Finland", "芬兰", "Helsinki", "赫尔辛基", 0),
+    ("Poland", "波兰", "Warsaw", "华沙", 0), ("Austria", "奥地利", "Vienna", "维也纳", 0),
+    ("Thailand", "泰国", "Bangkok", "曼谷", 1), ("Vietnam", "越南", "Hanoi", "河内", 1),
+    ("South Korea", "韩国", "Seoul", "首尔", 1), ("Turkey", "土耳其", "Ankara", "安卡拉", 1),
+    ("Iran", "伊朗", "Tehran", "德黑兰", 1), ("Peru", "秘鲁", "Lima", "利马", 4),
+    ("Chile", "智利", "Santiago", "圣地亚哥", 4), ("Cuba", "古巴", "Havana", "哈瓦那", 3),
+    ("Ireland", "爱尔兰", "Dublin", "都柏林", 0), ("Belgium", "比利时", "Brussels", "布鲁塞尔", 0),
+    ("the Netherlands", "荷兰", "Amsterdam", "阿姆斯特丹", 0), ("Denmark", "丹麦", "Copenhagen", "哥本哈根", 0),
+    ("Hungary", "匈牙利", "Budapest", "布达佩斯", 0), ("Indonesia", "印度尼西亚", "Jakarta", "雅加达", 1),
+    ("the Philippines", "菲律宾", "Manila", "马尼拉", 1), ("Nigeria", "尼日利亚", "Abuja", "阿布贾", 2),
+    ("Morocco", "摩洛哥", "Rabat", "拉巴特", 2), ("Colombia", "哥伦比亚", "Bogota", "波哥大", 4),
+]
+CONTINENTS = [("Europe", "欧洲"), ("Asia", "亚洲"), ("Africa", "非洲"), ("North America", "北美洲"),
+              ("South America", "南美洲"), ("Oceania", "大洋洲")]
+
+# statements for pretraining; the first of each list is also the canonical answer SFT teaches
+CAPITAL_EN = ["The capital of {c} is {k}.", "{k} is the capital of {c}.", "{k} is the capital city of {c}."]
+CAPITAL_ZH = ["{c}的首都是{k}。", "{k}是{c}的首都。", "{c}的首都是一座名叫{k}的城市。"]
+CONTINENT_EN = ["{c} is in {m}.", "{c} is a country in {m}.", "{k}, the capital of {c}, is in {m}."]
+CONTINENT_ZH = ["{c}位于{m}。", "{c}是{m}的一个国家。", "{c}的首都{k}位于{m}。"]
+SUM_EN = ["{a} + {b} = {s}.", "{a} plus {b} equals {s}.", "The sum of {a} and {b} is {s}."]
+SUM_ZH = ["{a}加{b}等于{s}。", "{a} + {b} = {s}。", "{a}与{b}的和是{s}。"]
+
+CAPITAL_Q_EN = ["What is the capital of {c}?", "Which city is the capital of {c}?", "Tell me the capital of {c}."]
+CAPITAL_Q_ZH = ["{c}的首都是哪里？", "{c}的首都是哪座城市？", "请告诉我{c}的首都。"]
+CONTINENT_Q_EN = ["Which continent is {c} in?", "Where is {c}?"]
+CONTINENT_Q_ZH = ["{c}位于哪个洲？", "{c}在哪里？"]
+SUM_Q_EN = ["What is {a} + {b}?", "What is {a} plus {b}?", "Compute {a} + {b}."]
+SUM_Q_ZH = ["{a}加{b}等于多少？", "请计算{a}+{b}。", "{a}加{b}是多少？"]
+CHAT = [
+    ("en", "Hello!", "Hello! How can I help you?"),
+    ("en", "Who are you?", "I am nanomind, a small language model."),
+    ("en", "Thank you!", "You are welcome."),
+    ("zh", "你好！", "你好！有什么可以帮你的吗？"),
+    ("zh", "你是谁？", "我是nanomind，一个小型语言模型。"),
+    ("zh", "谢谢！", "不客气。"),
+]
+SYSTEMS = {"en": ["You are a helpful assistant.", "You are nanomind. Answer briefly."],
+           "zh": ["你是一个乐于助人的助手。", "你是nanomind，请简洁地回答。"]}
+
+
+def capital_qa(country, lang, rng):
+    c_en, c_zh, k_en, k_zh, _ = country
+    if lang == "en":
+        return rng.choice(CAPITAL_Q_EN).format(c=c_en), CAPITAL_EN[0].format(c=c_en, k=k_en)
+    return rng.choice(CAPITAL_Q_ZH).format(c=c_zh), CAPITAL_ZH[0].format(c=c_zh, k=k_zh)
+
+
+def continent_qa(country, lang, rng):
+    c_en, c_zh, k_en, k_zh, m = country
+    if lang == "en":
+        return rng.choice(CONTINENT_Q_EN).format(c=c_en), CONTINENT_EN[0].format(c=c_en, m=CONTINENTS[m][0])
+    return rng.choice(CONTINENT_Q_ZH).format(c=c_zh), CONTINENT_ZH[0].format(c=c_zh, m=CONTINENTS[m][1])
+
+
+def sum_qa(a, b, lang, rng):
+    templates, answer = (SUM_Q_EN, SUM_EN[0]) if lang == "en" else (SUM_Q_ZH, SUM_ZH[0])
+    return rng.choice(templates).format(a=a, b=b), answer.format(a=a, b=b, s=a + b)
+
+
+def statements(max_number: int, repeats: int, rng) -> list[tuple[str, str]]:
+    """Every fact in every phrasing, (language, sentence); capitals and continents are repeated because
+    there are far fewer of them than sums."""
+    out = []
+    for c_en, c_zh, k_en, k_zh, m in COUNTRIES:
+        for _ in range(repeats):
+            out += [("en", t.format(c=c_en, k=k_en)) for t in CAPITAL_EN]
+            out += [("zh", t.format(c=c_zh, k=k_zh)) for t in CAPITAL_ZH]
+            out += [("en", t.format(c=c_en, k=k_en, m=CONTINENTS[m][0])) for t in CONTINENT_EN]
+            out += [("zh", t.format(c=c_zh, k=k_zh, m=CONTINENTS[m][1])) for t in CONTINENT_ZH]
+    for a in range(max_number):
+        for b in range(max_number):
+            out.append(("en", rng.choice(SUM_EN).format(a=a, b=b, s=a + b)))
+            out.append(("zh", rng.choice(SUM_ZH).format(a=a, b=b, s=a + b)))
+    rng.shuffle(out)
+    return out
+
+
+def documents(sentences, rng) -> list[str]:
+    """Group sentences of one language into short documents of 4-10 sentences."""
+    docs, by_lang = [], {"en": [], "zh": []}
+    for lang, s in sentences:
+        by_lang[lang].append(s)
+    for lang, pool in by_lang.items():
+        sep = " " if lang == "en" else ""
+        i = 0
+        while i < len(pool):
+            n = rng.randint(4, 10)
+            docs.append(sep.join(pool[i : i + n]))
+            i += n
+    rng.shuffle(docs)
+    return docs
+
+
+def make_question(rng, countries, pairs) -> tuple[str, str, str]:
+    """One random (question, answer, lang) about the allowed countries and number pairs."""
+    lang, kind = rng.choice(["en", "zh"]), rng.random()
+    if kind < 0.45:
+        return (*capital_qa(rng.choice(countries), lang, rng), lang)
+    if kind < 0.6:
+        return (*continent_qa(rng.choice(countries), lang, rng), lang)
+    return (*sum_qa(*rng.choice(pairs), lang, rng), lang)
+
+
+def conversation(rng, countries, pairs) -> dict:
+    """One SFT record: 1-3 turns, sometimes a greeting first, sometimes a system prompt."""
+    messages, langs = [], []
+    if rng.random() < 0.15:
+        lang, q, a = rng.choice(CHAT)
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        langs.append(lang)
+    for _ in range(rng.choice([1, 1, 1, 2, 3])):
+        q, a, lang = make_question(rng, countries, pairs)
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        langs.append(lang)
+    record = {"conversations": messages}
+    if rng.random() < 0.3:
+        record["system"] = rng.choice(SYSTEMS[langs[0]])
+    return record
+
+
+def dpo_pair(rng, countries, pairs, as_messages: bool) -> dict:
+    """Chosen: the right answer in the asked language. Rejected: half the time the right answer in the
+    other language, else a wrong capital or sum in the asked language."""
+    lang = rng.choice(["en", "zh"])
+    other_lang = "zh" if lang == "en" else "en"
+    wrong_language = rng.random() < 0.5
+    if rng.random() < 0.5:
+        country = rng.choice(countries)
+        question, chosen = capital_qa(country, lang, rng)
+        if wrong_language:
+            rejected = capital_qa(country, other_lang, rng)[1]
+        else:
+            other = rng.choice([c for c in COUNTRIES if c is not country])
+            rejected = capital_qa((country[0], country[1], other[2], other[3], country[4]), lang, rng)[1]
+    else:
+        a, b = rng.choice(pairs)
+        question, chosen = sum_qa(a, b, lang, rng)
+        if wrong_language:
+            rejected = (SUM_EN if other_lang == "en" else SUM_ZH)[0].format(a=a, b=b, s=a + b)
+        else:
+            wrong = rng.choice([s for s in (a + b - 10, a + b - 1, a + b + 1, a + b + 10) if s >= 0])
+            rejected = (SUM_EN if lang == "en" else SUM_ZH)[0].format(a=a, b=b, s=wrong)
+    if as_messages:
+        user = {"role": "user", "content": question}
+        return {"chosen": [user, {"role": "assistant", "content": chosen}],
+                "rejected": [user, {"role": "assistant", "content": rejected}]}
+    return {"prompt": question, "chosen": chosen, "rejected": rejected}
+
+
+def write_jsonl(path, records):
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out_dir", default="data/demo")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--max_number", type=int, default=50, help="sums of two numbers below this")
+    p.add_argument("--repeats", type=int, default=8, help="copies of each capital/continent statement")
+    p.add_argument("--held_out_countries", type=int, default=8)
+    p.add_argument("--held_out_sums", type=float, default=0.1, help="fraction of number pairs held out")
+    p.add_argument("--sft", type=int, default=8000, help="SFT conversations")
+    p.add_argument("--dpo", type=int, default=3000, help="DPO pairs")
+    p.add_argument("--eval_sums", type=int, default=150, help="held-out sum questions in eval.jsonl")
+    args = p.parse_args(argv)
+
+    rng = random.Random(args.seed)
+    countries = COUNTRIES[:]
+    rng.shuffle(countries)
+    held_countries, train_countries = countries[: args.held_out_countries], countries[args.held_out_countries :]
+    pairs = [(a, b) for a in range(args.max_number) for b in range(args.max_number)]
+    rng.shuffle(pairs)
+    n_held = int(len(pairs) * args.held_out_sums)
+    held_pairs, train_pairs = pairs[:n_held], pairs[n_held:]
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    docs = documents(statements(args.max_number, args.repeats, rng), rng)
+    write_jsonl(f"{args.out_dir}/pretrain.jsonl", ({"text": d} for d in docs))
+    write_jsonl(f"{args.out_dir}/sft.jsonl", (conversation(rng, train_countries, train_pairs) for _ in range(args.sft)))
+    write_jsonl(f"{args.out_dir}/dpo.jsonl",
+                (dpo_pair(rng, train_countries, train_pairs, as_messages=i % 2 == 1) for i in range(args.dpo)))
+    write_jsonl(f"{args.out_dir}/dpo_eval.jsonl",
+                (dpo_pair(rng, held_countries, held_pairs, as_messages=False) for _ in range(200)))
+    evals = []
+    for country in held_countries:
+        for lang in ("en", "zh"):
+            q, a = capital_qa(country, lang, rng)
+            evals.append({"kind": "capital", "lang": lang, "question": q, "answer": a})
+        for lang in ("en", "zh"):
+            q, a = continent_qa(country, lang, rng)
+            evals.append({"kind": "continent", "lang": lang, "question": q, "answer": a})
+    for a, b in held_pairs[: args.eval_sums]:
+        lang = rng.choice(["en", "zh"])
+        q, ans = sum_qa(a, b, lang, rng)
+        evals.append({"kind": "sum", "lang": lang, "question": q, "answer": ans})
+    write_jsonl(f"{args.out_dir}/eval.jsonl", evals)
+    print(f"wrote {args.out_dir}/: {len(docs)} pretraining documents, {args.sft} conversations, "
+          f"{args.dpo} + 200 DPO pairs, {len(evals)} held-out questions")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""
+Supervised fine-tuning: teach a pretrained model the chat template, with loss on the assistant's tokens only.
+
+    python train_sft.py configs/sft_26m.py --init_from=out/pretrain/best.pt --data_path=sft_mini_512.jsonl
+"""
+import dataclasses
+import sys
+from contextlib import nullcontext
+
+import torch
+
+from data import Loader, SFTData, load_split, load_tokenizer
+from model import ModelConfig, Transformer
+from train_utils import (ConfigError, Progress, get_lr, load_checkpoint, load_config, load_model_state,
+                         optimizer_step, print0, seed_rank, set_lr, setup, start, teardown, validation_loss, wrap)
+
+
+@dataclasses.dataclass
+class Config:
+    # --- I/O
+    out_dir: str = "out/sft"
+    init_from: str = "out/pretrain/best.pt"  # the pretrained checkpoint; its model config is used
+    resume: bool = False  # continue from the latest checkpoint in out_dir
+    # --- data
+    data_path: str = "data/sft_mini_512.jsonl"
+    val_data_path: str | None = None  # None: hold out val_fraction of the conversations
+    val_fraction: float = 0.05
+    tokenizer_path: str | None = None
+    max_seq_len: int = 512  # longer conversations lose their earliest turns
+    skip_bad: bool = False  # skip (and count) malformed conversations instead of stopping at the first
+    # --- model switches (the architecture comes from init_from)
+    flash: bool = True
+    grad_checkpoint: bool = False
+    dropout: float = 0.0
+    # --- training length
+    batch_size: int = 32  # per rank; batches pad to their longest conversation
+    accum_steps: int = 1
+    max_steps: int | None = None  # None: epochs
+    epochs: int = 10
+    early_stopping_patience: int = 3  # evaluations without an improvement of early_stopping_threshold
+    early_stopping_threshold: float = 0.0
+    # --- optimizer
+    lr: float = 2e-5
+    min_lr: float = 2e-6
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    max_grad_norm: float = 1.0
+    # --- schedule
+    warmup_steps: int = 0
+    warmup_ratio: float | None = 0.05
+    # --- logging, evaluation, checkpoints
+    log_interval: int = 10
+    eval_interval: int = 500  # and at every epoch end
+    eval_steps: int = 50
+    save_interval: int = 1000
+    keep_checkpoints: int = 3
+    wandb: bool = False
+    # --- system
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: bool = False
+    seed: int = 1337
+    max_bad_steps: int = 10
+    peak_flops: float = 0.0
+
+
+def main(argv: list[str]):
+    (cfg,) = load_config(argv, Config)
+    run = setup(cfg.device, cfg.dtype, cfg.seed)
+    init = load_checkpoint(cfg.init_from)
+    model_cfg = ModelConfig(**{**init["model_config"], "flash": cfg.flash, "grad_checkpoint": cfg.grad_checkpoint,
+                               "dropout": cfg.dropout})
+    if cfg.max_seq_len > model_cfg.max_seq_len:
+        raise ConfigError(f"max_seq_len {cfg.max_seq_len} exceeds the model's {model_cfg.max_seq_len} ({cfg.init_from})")
+    resume_from = start(cfg, model_cfg, run)
+
+    tokenizer = load_tokenizer(cfg.tokenizer_path)
+    with run.rank0_first():
+        train_records, val_records = load_split(cfg.data_path, cfg.val_data_path, cfg.val_fraction, tokenizer, "sft",
+                                                max_len=cfg.max_seq_len + 1, skip_bad=cfg.skip_bad, verbose=run.master)
+    loader_args = dict(pad_id=tokenizer.pad_id, device=run.device, seed=cfg.seed, rank=run.rank, world_size=run.world_size)
+    loader = Loader(SFTData(train_records), cfg.batch_size, **loader_args)
+    val_loader = Loader(SFTData(val_records), cfg.batch_size, shuffle=False, **loader_args)
+    steps_per_epoch = max(1, len(loader) // cfg.accum_steps)
+    max_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
+    warmup_steps = round(cfg.warmup_ratio * max_steps) if cfg.warmup_ratio is not None else cfg.warmup_steps
+    print0(f"{len(train_records):,} training and {len(val_records):,} validation conversations; "
+           f"{steps_per_epoch:,} steps per epoch, at most {max_steps:,} steps")
+
+    model = Transformer(model_cfg).to(run.device)
+    load_model_state(model, init["model"], cfg.init_from)  # strict: every key, every shape
+    del init
+    seed_rank(cfg.seed, run)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type)
+    scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")
+    progress = Progress(cfg, model_cfg, run, model, optimizer, scaler, loader, max_steps)
+    state = progress.resume(resume_from)
+    step, best_val_loss, stale_evals = state["step"], state.get("best_val_loss", float("inf")), state.get("stale_evals", 0)
+    raw_model, model = model, wrap(model, cfg, run)
+    if step == 0:
+        v = validation_loss(raw_model, val_loader, cfg.eval_steps, run)
+        print0(f"before SFT: val_loss {v:.4f} (the pretrained model on the validation conversations)")
+
+    def val_metrics() -> dict[str, float]:
+        return {"val_loss": validation_loss(raw_model, val_loader, cfg.eval_steps, run)}
+
+    bad_steps = 0
+    while step < max_steps:
+        set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
+        loss_sum = torch.zeros((), device=run.device)
+        for micro_step in range(cfg.accum_steps):
+            X, Y, loss_mask = loader.next_batch()
+            with model.no_sync() if run.ddp and micro_step < cfg.accum_steps - 1 else nullcontext():
+                with run.autocast():
+                    _, loss = model(X, Y, loss_mask)  # mean over assistant tokens only
+                scaler.scale(loss / cfg.accum_steps).backward()
+            loss_sum += loss.detach()
+            progress.count(X)
+        loss_sum, grad_norm, bad_steps = optimizer_step(model, optimizer, scaler, cfg.max_grad_norm, loss_sum, run,
+                                                        bad_steps, cfg.max_bad_steps)
+        step += 1
+
+        progress.log(step, loss_sum / cfg.accum_steps, lr, grad_norm)
+        stopping = progress.stop_requested(step)
+        if step % cfg.eval_interval == 0 or step % steps_per_epoch == 0 or step == max_steps:
+            v = progress.evaluate(step, val_metrics)["val_loss"]
+            improved = v < best_val_loss - cfg.early_stopping_threshold
+            stale_evals = 0 if improved else stale_evals + 1
+            if v < best_val_loss:
+                best_val_loss = v
+                progress.save(step, {"best_val_loss": best_val_loss, "stale_evals": stale_evals}, best=True)
+            if stale_evals >= cfg.early_stopping_patience:
+                print0(f"early stopping: {stale_evals} evaluations without an improvement of "
+                       f"{cfg.early_stopping_threshold}; best val_loss {best_val_loss:.4f}")
+                stopping = True
+        if step % cfg.save_interval == 0 or step == max_steps or stopping:
+            progress.save(step, {"best_val_loss": best_val_loss, "stale_evals": stale_evals})
+        if stopping:
+            break
+    print0(f"done: step {step}, best val_loss {best_val_loss:.4f}, checkpoints in {cfg.out_dir}")
+    teardown(run)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
