@@ -1,0 +1,251 @@
+"""Tokenizer invariants on tiny tokenizers trained here, on a corpus generated here."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+import tiktoken
+
+import tokenizer as tk
+from tokenizer import PATTERN, SPECIAL_TOKENS, load_tokenizer
+from train_tokenizer import iter_texts, main as train_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BPE_VOCAB, SP_VOCAB = 700, 600
+
+EN = ("the model learns from data and we train it on text with numbers while people read books "
+      "about history science music water light small large quickly function return value").split()
+ZH = ("我们 你好 世界 中文 模型 训练 数据 学习 语言 计算 机器 时间 问题 今天 天气 朋友 北京 "
+      "上海 科学 历史 音乐 文字 数字 方法 结果 系统 网络 图书 老师 学生").split()
+CHECK = [  # strings every round-trip / agreement test sees
+    "",
+    "Hello, world! It's 2024; don't panic.",
+    "我们今天学习中文，明天学习英文。《三体》很好看！",
+    "用Python写代码 12+34=46 ２０２３年 二〇二三年",
+    "emoji 😀👍🏽 ❤️ 1️⃣ 👨‍👩‍👧 🏴‍☠️ 🇨🇳 family: 👩‍❤️‍💋‍👨",
+    "def f(x):\n\tif x > 0:\r\n        return x ** 2  # 平方\n\n\n",
+    "  \t \n \r\n\r\n\u3000\u00a0x \u2028y\x1c\x1fz \t\x1c",
+    "I'M HE'LL we'VE 'ſ 'K (long s, Kelvin) ",
+    "e\u0301 n\u0303 ½ ² ١٢٣ ๑๒ \u2581 \ufffd \U00031350\U000323af",
+    "<s>[INST] <<SYS>>\nsys\n<</SYS>>\n\nhi [/INST] ok </s><pad>",
+    "\x00\x01\x7f\x80\x9f é ß Ω Ж ا",
+]
+
+
+def random_strings(n: int, seed: int) -> list[str]:
+    """Seeded strings mixing ASCII, Chinese, emoji and any code point (astral too), plus every
+    boundary of the pattern's ranges, where an escaping or range slip would show."""
+    rng = random.Random(seed)
+    edges = sorted({c + d for table in (tk._SPACE, tk._DIGIT, tk._HAN, tk._SYMBOL)
+                    for a, b in table for c in (a, b) for d in (-1, 0, 1)})
+    edges = [chr(e) for e in edges if 0 <= e <= 0x10FFFF and not 0xD800 <= e <= 0xDFFF]
+    # where engines tend to disagree: \s, (?i) and \d differ around these
+    tricky = list("\t\n\r\x0b\x0c\x1c\x1d\x1e\x1f \x85\xa0\u2028\u3000'sSlLvVeErRmMtTdD"
+                  "\u017f\u212a_9٣９〇中\u0301\u200d")
+    pools = [(0x20, 0x7E), (0x4E00, 0x9FFF), (0x1F300, 0x1FAFF), (0, 0x10FFFF)]
+
+    def char() -> str:
+        if rng.random() < 0.4:
+            return rng.choice(edges if rng.random() < 0.5 else tricky)
+        lo, hi = rng.choice(pools)
+        c = rng.randint(lo, hi)
+        return chr(c) if not 0xD800 <= c <= 0xDFFF else "\ud7ff"  # lone surrogates are not text
+    return ["".join(char() for _ in range(rng.randint(1, 24))) for _ in range(n)]
+
+
+def corpus_lines(rng: random.Random, n: int) -> list[str]:
+    lines = []
+    for _ in range(n):
+        kind = rng.randrange(4)
+        if kind == 0:
+            lines.append(" ".join(rng.choices(EN, k=rng.randint(4, 12))).capitalize() + ".")
+        elif kind == 1:
+            lines.append("，".join("".join(rng.choices(ZH, k=3)) for _ in range(3)) + "。")
+        elif kind == 2:
+            a, b = rng.randint(0, 9999), rng.randint(0, 9999)
+            emoji = rng.choice(["😀", "👨‍👩‍👧", "❤️"])
+            lines.append(f"{a}+{b}={a + b}, 2024年{rng.randint(1, 12)}月 {emoji}")
+        else:
+            lines.append(f"def {rng.choice(EN)}(x):\n    return x * {rng.randint(2, 99)}\n")
+    return lines
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> list[Path]:
+    """One file of each input format the trainer reads."""
+    d, rng = tmp_path_factory.mktemp("corpus"), random.Random(0)
+
+    def write_jsonl(name: str, records: list[dict]) -> Path:
+        lines = [json.dumps(r, ensure_ascii=False) + "\n" for r in records]
+        (d / name).write_text("".join(lines), encoding="utf-8")
+        return d / name
+
+    def msgs(*contents: str) -> list[dict]:
+        return [{"role": r, "content": c} for r, c in zip(["user", "assistant"], contents)]
+
+    pretrain = write_jsonl("pretrain.jsonl", [{"text": "\n".join(corpus_lines(rng, 8))} for _ in range(300)])
+    sft = write_jsonl("sft.jsonl", [{"conversations": msgs(*corpus_lines(rng, 2)), "system": "你是一个助手"}
+                                    for _ in range(200)])
+    dpo = write_jsonl("dpo.jsonl", [{"prompt": "问题", "chosen": "好", "rejected": "坏"},
+                                    {"chosen": msgs("q", "a"), "rejected": msgs("q", "b")}])
+    (d / "notes.txt").write_text("\n".join(corpus_lines(rng, 500)), encoding="utf-8")
+    return [pretrain, sft, dpo, d / "notes.txt"]
+
+
+def train(corpus: list[Path], out: Path, vocab_size: int, backend: str = "tiktoken") -> Path:
+    train_main(["--input", *map(str, corpus), "--vocab_size", str(vocab_size), "--out", str(out),
+                "--backend", backend])
+    return out
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(corpus, tmp_path_factory) -> Path:
+    return train(corpus, tmp_path_factory.mktemp("bpe"), BPE_VOCAB)
+
+
+@pytest.fixture(scope="module", params=["tiktoken", "sentencepiece"])
+def tok(request, corpus, bpe_dir, tmp_path_factory) -> tk.Tokenizer:
+    if request.param == "tiktoken":
+        return load_tokenizer(bpe_dir)
+    return load_tokenizer(train(corpus, tmp_path_factory.mktemp("sp"), SP_VOCAB, "sentencepiece"))
+
+
+def test_vocab_size_is_exactly_the_asked_one(tok):
+    asked = BPE_VOCAB if isinstance(tok, tk.TiktokenTokenizer) else SP_VOCAB
+    assert tok.vocab_size == asked
+    if isinstance(tok, tk.TiktokenTokenizer):
+        assert tok.enc.n_vocab == asked and tok.enc.max_token_value == asked - 1
+    else:
+        assert tok.sp.get_piece_size() == asked
+
+
+def test_round_trip(tok):
+    texts = CHECK + random_strings(400, seed=1)
+    if isinstance(tok, tk.SentencePieceTokenizer):  # its one documented exception
+        texts = [t.replace("\u2581", "_") for t in texts]
+    for text in texts:
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_special_tokens_are_single_ids_never_made_from_text(tok):
+    special = {tok.bos_id: "<s>", tok.eos_id: "</s>", tok.pad_id: "<pad>"}
+    special |= {ids[0]: t for t, ids in tok.chat_tokens.items()}
+    assert len(special) == 7 and all(len(ids) == 1 for ids in tok.chat_tokens.values())
+    for i, text in special.items():
+        assert tok.decode([i]) == text
+    if isinstance(tok, tk.TiktokenTokenizer):  # our format: the last 7 ids, in SPECIAL_TOKENS order
+        ids = [tok.enc.encode_single_token(t) for t in SPECIAL_TOKENS]
+        assert ids == list(range(tok.vocab_size - 7, tok.vocab_size))
+    text = "".join(SPECIAL_TOKENS) + " <s>hi</s> [INST] x [/INST] <<SYS>>" + CHECK[9]
+    ids = tok.encode(text)
+    assert not set(ids) & set(special) and tok.decode(ids) == text
+    assert tok.decode([tok.bos_id, *tok.encode("你好"), tok.eos_id]) == "<s>你好</s>"
+
+
+def test_digits_are_split_one_per_token(tok):
+    text = "2024年 3141592653 12+34=46 x99"
+    pieces = [tok.decode([i]) for i in tok.encode(text)]
+    assert all(sum(c.isdigit() for c in p) <= 1 for p in pieces), pieces
+    assert sum(p.strip().isdigit() for p in pieces) == 22  # every digit, and only digits, alone
+    if isinstance(tok, tk.TiktokenTokenizer):  # the corpus repeats "2024": BPE would merge it
+        assert len(tok.encode("2024")) == 4 and len(tok.encode(" the")) == 1
+
+
+def test_invalid_utf8_decodes_with_replacement(bpe_dir):
+    tok = load_tokenizer(bpe_dir)
+    assert tok.decode([0xE4]) == "\ufffd"  # first byte of a 3-byte character
+    ids = tok.encode("中文 ok")
+    assert tok.decode(ids) == "中文 ok" and tok.decode([ids[0], 0xE4]).endswith("\ufffd")
+
+
+def test_pattern_character_sets_are_disjoint():
+    sets = [{c for a, b in t for c in range(a, b + 1)} for t in (tk._SPACE, tk._DIGIT, tk._HAN, tk._SYMBOL)]
+    assert sum(map(len, sets)) == len(set().union(*sets))
+
+
+def test_pattern_cuts_text_the_same_in_python_re_and_tiktoken(bpe_dir):
+    """tiktoken is given a vocabulary holding every substring of the text, so each chunk it finds
+    becomes exactly one token: its tokens spell its chunks, which must be Python's chunks."""
+    trained = load_tokenizer(bpe_dir)  # uses the pattern as stored in its tokenizer.json
+    assert json.loads((bpe_dir / "tokenizer.json").read_text(encoding="utf-8"))["pattern"] == PATTERN
+    for text in CHECK[1:] + random_strings(300, seed=2):
+        chunks = re.findall(PATTERN, text)
+        assert "".join(chunks) == text  # the pattern matches every character
+        b = text.encode()
+        ranks = {bytes([i]): i for i in range(256)}
+        for length in range(2, len(b) + 1):
+            for i in range(len(b) - length + 1):
+                ranks.setdefault(b[i:i + length], len(ranks))
+        enc = tiktoken.Encoding("substrings", pat_str=PATTERN, mergeable_ranks=ranks, special_tokens={})
+        tiktoken_chunks = [enc.decode_single_token_bytes(t).decode() for t in enc.encode_ordinary(text)]
+        assert tiktoken_chunks == chunks
+        assert trained.encode(text) == [i for c in chunks for i in trained.encode(c)]
+
+
+def test_trainer_is_deterministic(corpus, bpe_dir, tmp_path):
+    """Two fresh processes with different hash seeds write byte-identical files."""
+    outs = []
+    for seed in ("1", "2"):
+        out = tmp_path / seed
+        cmd = [sys.executable, str(ROOT / "train_tokenizer.py"), "--input", *map(str, corpus),
+               "--vocab_size", str(BPE_VOCAB), "--out", str(out)]
+        subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": seed})
+        outs.append(out)
+    for name in ("tokenizer.tiktoken", "tokenizer.json"):
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes() == (bpe_dir / name).read_bytes()
+    fingerprint = load_tokenizer(bpe_dir).fingerprint
+    assert load_tokenizer(outs[0]).fingerprint == fingerprint
+    assert load_tokenizer(train(corpus, tmp_path / "smaller", 600)).fingerprint != fingerprint
+
+
+def test_reads_every_record_format(corpus):
+    assert list(iter_texts(corpus[2])) == ["问题", "好", "坏", "q", "a", "q", "b"]
+    sft = list(iter_texts(corpus[1]))
+    assert len(sft) == 600 and sft[0] == "你是一个助手"  # system + user + assistant per record
+
+
+@pytest.mark.parametrize("backend", ["tiktoken", "sentencepiece"])
+@pytest.mark.parametrize("line", [b'{"text": "unterminated', b'{"text": "\xff\xfe"}', b'{"role": "user"}',
+                                  b'["a list"]', b'{"conversations": [{"role": "user", "content": 3}]}'])
+def test_bad_jsonl_line_names_file_and_line(tmp_path, line, backend):
+    bad = tmp_path / "broken.jsonl"
+    bad.write_bytes(b'{"text": "fine"}\n\n' + line + b"\n")
+    with pytest.raises(ValueError, match=r"broken\.jsonl:3: "):
+        train_main(["--input", str(bad), "--vocab_size", "300", "--out", str(tmp_path / "tok"),
+                    "--backend", backend])
+    assert not (tmp_path / "tok" / "tokenizer.model").exists()
+
+
+def test_missing_or_garbled_files_name_the_path(bpe_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "nowhere"))):
+        load_tokenizer(tmp_path / "nowhere")
+    garbled = tmp_path / "garbled"
+    garbled.mkdir()
+    (garbled / "tokenizer.json").write_bytes((bpe_dir / "tokenizer.json").read_bytes())
+    (garbled / "tokenizer.tiktoken").write_text("IQ== 0\nnot-base64! 1\n")
+    with pytest.raises(ValueError, match=re.escape(str(garbled))):
+        load_tokenizer(garbled)
+    (tmp_path / "bad.model").write_bytes(b"\x00 not a sentencepiece model")
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "bad.model"))):
+        load_tokenizer(tmp_path / "bad.model")
+
+
+def test_foreign_sentencepiece_model_without_pad_or_chat_pieces(corpus, tmp_path):
+    """LLaMA-2 style: no pad piece, no chat pieces, <s>/</s> as control symbols."""
+    model = tmp_path / "foreign.model"
+    lines = corpus[3].read_text(encoding="utf-8").splitlines()
+    with open(model, "wb") as f:
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=f, model_type="bpe",
+                                       vocab_size=400, byte_fallback=True, minloglevel=2)
+    tok = load_tokenizer(model)
+    assert tok.pad_id == tok.eos_id == 2 and tok.bos_id == 1
+    assert tok.chat_tokens["[INST]"] == tok.encode("[INST]") and len(tok.chat_tokens["[INST]"]) > 1
+    assert tok.decode([tok.bos_id, *tok.encode("hello"), tok.eos_id]).endswith("hello</s>")
