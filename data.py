@@ -301,7 +301,7 @@ def tokenize_file(path: str, tokenizer, kind: str, skip_bad: bool = False, proce
     cached = read_cache(cache_path, key)
     if cached is not None:
         arrays, info = cached
-        return Records({k: v.reshape(-1, len(names) + 1) if k == "offsets" else v for k, v in arrays.items()}, names)
+        return Records({k: v.reshape(-1, len(names)) if k == "offsets" else v for k, v in arrays.items()}, names)
 
     size, done, t0, last = os.path.getsize(path), 0, time.time(), 0.0
     columns, notes = [[] for _ in names], Counter()
@@ -418,35 +418,49 @@ class Loader:
     global batch, so the ranks' batches together are exactly the batch a single process would see.
     Epochs are reshuffled; the position (epoch, batch) is saved and restored for an exact resume."""
 
-    def __init__(self, dataset, batch_size: int, pad_id: int, device="cpu", seed: int = 0, shuffle: bool = True,
-                 rank: int = 0, world_size: int = 1):
+    def __init__(self, dataset, batch_size: int, pad_id: int, device="cpu", seed: int = 0, rank: int = 0,
+                 world_size: int = 1, name: str = "data"):
         self.dataset, self.batch_size, self.pad_id, self.device = dataset, batch_size, pad_id, torch.device(device)
-        self.seed, self.shuffle, self.rank, self.world_size = seed, shuffle, rank, world_size
+        self.seed, self.rank, self.world_size, self.name = seed, rank, world_size, name
         self.epoch, self.pos = 0, 0
         self._order = (None, None)  # (epoch, its item order)
-        if len(self) == 0:
-            raise ValueError(f"{len(dataset)} items cannot fill one batch of {batch_size} x {world_size} rank(s)")
+        if len(dataset) < world_size:
+            raise ValueError(f"{name}: {len(dataset)} items, fewer than the {world_size} ranks")
 
     def __len__(self):
-        """Batches per epoch (per rank)."""
+        """Full batches per epoch (per rank)."""
         return len(self.dataset) // (self.batch_size * self.world_size)
 
     def order(self, epoch: int) -> np.ndarray:
         """The item order of an epoch, a pure function of (seed, epoch); computed once per epoch."""
         if self._order[0] != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._order = epoch, rng.permutation(len(self.dataset)) if self.shuffle else np.arange(len(self.dataset))
+            self._order = epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
         return self._order[1]
 
     def next_batch(self):
+        """The next training batch: (X, Y, loss_mask, item indices) on the device."""
+        if len(self) == 0:
+            raise ValueError(f"{self.name}: {len(self.dataset)} items cannot fill one batch of "
+                             f"{self.batch_size} x {self.world_size} rank(s)")
         if self.pos == len(self):
             self.epoch, self.pos = self.epoch + 1, 0
         step = self.batch_size * self.world_size
         items = self.order(self.epoch)[self.pos * step : (self.pos + 1) * step][self.rank :: self.world_size]
         self.pos += 1
-        items = [self.dataset[int(i)] for i in items]
+        return self.collate(items)
+
+    def batches(self, limit: int):
+        """For evaluation: this rank's share of the items in file order, at most `limit` batches (the last may
+        be short). Leaves the training position alone."""
+        mine = np.arange(self.rank, len(self.dataset), self.world_size)
+        for start in range(0, min(len(mine), limit * self.batch_size), self.batch_size):
+            yield self.collate(mine[start : start + self.batch_size])
+
+    def collate(self, indices):
+        """(X, Y, loss_mask, item indices) on the device."""
+        items = [self.dataset[int(i)] for i in indices]
         rows = [item[j] for j in range(len(items[0])) for item in items]  # DPO: all chosen rows, then all rejected
-        batch = collate(rows, self.pad_id)
+        batch = (*collate(rows, self.pad_id), torch.as_tensor(np.asarray(indices, dtype=np.int64)))
         if self.device.type == "cuda":  # pinned host memory lets the copy overlap with compute
             return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in batch)
         return batch

@@ -200,24 +200,27 @@ class Transformer(nn.Module):
                 x = layer(x, cos, sin, caches[i] if caches else None, start_pos)
         return self.norm(x)
 
-    def forward(self, idx, targets=None, loss_mask=None, caches: list[KVCache] | None = None, start_pos: int = 0):
-        """With targets (B, T): (logits (B, T, V) float32, masked mean cross-entropy).
-        Without: (logits of the last position (B, 1, V), None)."""
+    def forward(self, idx, targets=None, loss_mask=None, reduction: str = "mean",
+                caches: list[KVCache] | None = None, start_pos: int = 0):
+        """With targets (B, T): (logits (B, T, V) float32, loss). loss is the mean cross-entropy over positions
+        where loss_mask is 1 (all positions when it is None), or with reduction="none" the per-token
+        cross-entropy (B, T), unmasked. Without targets: (logits of the last position (B, 1, V), None)."""
         h = self.hidden_states(idx, caches, start_pos)
         if targets is None:
             return self.output(h[:, -1:]), None
         logits = self.output(h).float()  # fp32 for the loss: bf16 log-softmax over 6400 classes is too coarse
         ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+        if reduction == "none":
+            return logits, ce
         if loss_mask is None:
             return logits, ce.mean()
         # clamp: a batch with nothing to learn gives loss 0 (and zero gradients), never 0/0 = NaN
         return logits, (ce * loss_mask).sum() / loss_mask.sum().clamp(min=1)
 
     def token_logprobs(self, idx, targets):
-        """log p(targets[b, t] | idx[b, :t+1]) for every position, (B, T) float32."""
-        logits = self.output(self.hidden_states(idx)).float()  # (B, T, V)
-        # log_softmax(logits)[target] = logit[target] - logsumexp(logits), without a (B, T, V) log_softmax tensor
-        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(dim=-1)
+        """log p(targets[b, t] | idx[b, :t+1]) at every position, (B, T) float32: log_softmax(logits) at the
+        target ids, i.e. the negated per-token cross-entropy."""
+        return -self(idx, targets, reduction="none")[1]
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, **sampling):

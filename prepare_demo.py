@@ -67,17 +67,22 @@ SYSTEMS = {"en": ["You are a helpful assistant.", "You are nanomind. Answer brie
            "zh": ["你是一个乐于助人的助手。", "你是nanomind，请简洁地回答。"]}
 
 
+def sentence(text: str) -> str:
+    """English sentences start with a capital letter even when the country does ("the Netherlands")."""
+    return text[0].upper() + text[1:]
+
+
 def capital_qa(country, lang, rng):
     c_en, c_zh, k_en, k_zh, _ = country
     if lang == "en":
-        return rng.choice(CAPITAL_Q_EN).format(c=c_en), CAPITAL_EN[0].format(c=c_en, k=k_en)
+        return rng.choice(CAPITAL_Q_EN).format(c=c_en), sentence(CAPITAL_EN[0].format(c=c_en, k=k_en))
     return rng.choice(CAPITAL_Q_ZH).format(c=c_zh), CAPITAL_ZH[0].format(c=c_zh, k=k_zh)
 
 
 def continent_qa(country, lang, rng):
     c_en, c_zh, k_en, k_zh, m = country
     if lang == "en":
-        return rng.choice(CONTINENT_Q_EN).format(c=c_en), CONTINENT_EN[0].format(c=c_en, m=CONTINENTS[m][0])
+        return rng.choice(CONTINENT_Q_EN).format(c=c_en), sentence(CONTINENT_EN[0].format(c=c_en, m=CONTINENTS[m][0]))
     return rng.choice(CONTINENT_Q_ZH).format(c=c_zh), CONTINENT_ZH[0].format(c=c_zh, m=CONTINENTS[m][1])
 
 
@@ -86,20 +91,20 @@ def sum_qa(a, b, lang, rng):
     return rng.choice(templates).format(a=a, b=b), answer.format(a=a, b=b, s=a + b)
 
 
-def statements(max_number: int, repeats: int, rng) -> list[tuple[str, str]]:
-    """Every fact in every phrasing, (language, sentence); capitals and continents are repeated because
-    there are far fewer of them than sums."""
+def statements(max_number: int, repeats: int, sum_repeats: int, rng) -> list[tuple[str, str]]:
+    """Every fact in every phrasing, (language, sentence), each repeated so that a small model can learn it."""
     out = []
     for c_en, c_zh, k_en, k_zh, m in COUNTRIES:
         for _ in range(repeats):
-            out += [("en", t.format(c=c_en, k=k_en)) for t in CAPITAL_EN]
+            out += [("en", sentence(t.format(c=c_en, k=k_en))) for t in CAPITAL_EN]
             out += [("zh", t.format(c=c_zh, k=k_zh)) for t in CAPITAL_ZH]
-            out += [("en", t.format(c=c_en, k=k_en, m=CONTINENTS[m][0])) for t in CONTINENT_EN]
+            out += [("en", sentence(t.format(c=c_en, k=k_en, m=CONTINENTS[m][0]))) for t in CONTINENT_EN]
             out += [("zh", t.format(c=c_zh, k=k_zh, m=CONTINENTS[m][1])) for t in CONTINENT_ZH]
     for a in range(max_number):
         for b in range(max_number):
-            out.append(("en", rng.choice(SUM_EN).format(a=a, b=b, s=a + b)))
-            out.append(("zh", rng.choice(SUM_ZH).format(a=a, b=b, s=a + b)))
+            for _ in range(sum_repeats):
+                out.append(("en", rng.choice(SUM_EN).format(a=a, b=b, s=a + b)))
+                out.append(("zh", rng.choice(SUM_ZH).format(a=a, b=b, s=a + b)))
     rng.shuffle(out)
     return out
 
@@ -186,8 +191,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", default="data/demo")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--max_number", type=int, default=50, help="sums of two numbers below this")
+    p.add_argument("--max_number", type=int, default=20, help="sums of two numbers below this")
     p.add_argument("--repeats", type=int, default=8, help="copies of each capital/continent statement")
+    p.add_argument("--sum_repeats", type=int, default=4, help="statements of each sum per language")
     p.add_argument("--held_out_countries", type=int, default=8)
     p.add_argument("--held_out_sums", type=float, default=0.1, help="fraction of number pairs held out")
     p.add_argument("--sft", type=int, default=8000, help="SFT conversations")
@@ -205,7 +211,7 @@ def main(argv=None):
     held_pairs, train_pairs = pairs[:n_held], pairs[n_held:]
 
     os.makedirs(args.out_dir, exist_ok=True)
-    docs = documents(statements(args.max_number, args.repeats, rng), rng)
+    docs = documents(statements(args.max_number, args.repeats, args.sum_repeats, rng), rng)
     write_jsonl(f"{args.out_dir}/pretrain.jsonl", ({"text": d} for d in docs))
     write_jsonl(f"{args.out_dir}/sft.jsonl", (conversation(rng, train_countries, train_pairs) for _ in range(args.sft)))
     write_jsonl(f"{args.out_dir}/dpo.jsonl",

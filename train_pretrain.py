@@ -70,8 +70,10 @@ def main(argv: list[str]):
         train_records, val_records = load_split(cfg.data_path, cfg.val_data_path, cfg.val_fraction, tokenizer,
                                                 "pretrain", verbose=run.master)
     loader_args = dict(pad_id=tokenizer.pad_id, device=run.device, seed=cfg.seed, rank=run.rank, world_size=run.world_size)
-    loader = Loader(PretrainData(train_records, model_cfg.max_seq_len), cfg.batch_size, **loader_args)
-    val_loader = Loader(PretrainData(val_records, model_cfg.max_seq_len), cfg.batch_size, shuffle=False, **loader_args)
+    loader = Loader(PretrainData(train_records, model_cfg.max_seq_len), cfg.batch_size, name="training windows",
+                    **loader_args)
+    val_loader = Loader(PretrainData(val_records, model_cfg.max_seq_len), cfg.batch_size,
+                        name="validation windows", **loader_args)
     max_steps = cfg.max_steps or cfg.epochs * len(loader) // cfg.accum_steps
     warmup_steps = round(cfg.warmup_ratio * max_steps) if cfg.warmup_ratio is not None else cfg.warmup_steps
     print0(f"{len(loader.dataset):,} training and {len(val_loader.dataset):,} validation windows of "
@@ -83,7 +85,7 @@ def main(argv: list[str]):
     seed_rank(cfg.seed, run)
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type)
     scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")  # float16 only
-    progress = Progress(cfg, model_cfg, run, model, optimizer, scaler, loader, max_steps)
+    progress = Progress("pretrain", cfg, model_cfg, run, model, optimizer, scaler, loader, max_steps)
     state = progress.resume(resume_from)
     step, best_val_loss = state["step"], state.get("best_val_loss", float("inf"))
     raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving and evaluation
@@ -96,7 +98,7 @@ def main(argv: list[str]):
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
         loss_sum = torch.zeros((), device=run.device)
         for micro_step in range(cfg.accum_steps):
-            X, Y, loss_mask = loader.next_batch()
+            X, Y, loss_mask, _ = loader.next_batch()
             # DDP all-reduces gradients in the backward of the last micro-step only
             with model.no_sync() if run.ddp and micro_step < cfg.accum_steps - 1 else nullcontext():
                 with run.autocast():

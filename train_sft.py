@@ -80,8 +80,8 @@ def main(argv: list[str]):
         train_records, val_records = load_split(cfg.data_path, cfg.val_data_path, cfg.val_fraction, tokenizer, "sft",
                                                 max_len=cfg.max_seq_len + 1, skip_bad=cfg.skip_bad, verbose=run.master)
     loader_args = dict(pad_id=tokenizer.pad_id, device=run.device, seed=cfg.seed, rank=run.rank, world_size=run.world_size)
-    loader = Loader(SFTData(train_records), cfg.batch_size, **loader_args)
-    val_loader = Loader(SFTData(val_records), cfg.batch_size, shuffle=False, **loader_args)
+    loader = Loader(SFTData(train_records), cfg.batch_size, name="training conversations", **loader_args)
+    val_loader = Loader(SFTData(val_records), cfg.batch_size, name="validation conversations", **loader_args)
     steps_per_epoch = max(1, len(loader) // cfg.accum_steps)
     max_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     warmup_steps = round(cfg.warmup_ratio * max_steps) if cfg.warmup_ratio is not None else cfg.warmup_steps
@@ -94,23 +94,23 @@ def main(argv: list[str]):
     seed_rank(cfg.seed, run)
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type)
     scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")
-    progress = Progress(cfg, model_cfg, run, model, optimizer, scaler, loader, max_steps)
+    progress = Progress("sft", cfg, model_cfg, run, model, optimizer, scaler, loader, max_steps)
     state = progress.resume(resume_from)
     step, best_val_loss, stale_evals = state["step"], state.get("best_val_loss", float("inf")), state.get("stale_evals", 0)
     raw_model, model = model, wrap(model, cfg, run)
-    if step == 0:
-        v = validation_loss(raw_model, val_loader, cfg.eval_steps, run)
-        print0(f"before SFT: val_loss {v:.4f} (the pretrained model on the validation conversations)")
-
     def val_metrics() -> dict[str, float]:
         return {"val_loss": validation_loss(raw_model, val_loader, cfg.eval_steps, run)}
+
+    if step == 0:  # the pretrained model on the validation conversations: what SFT improves on
+        print0("before SFT:")
+        progress.evaluate(0, val_metrics)
 
     bad_steps = 0
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
         loss_sum = torch.zeros((), device=run.device)
         for micro_step in range(cfg.accum_steps):
-            X, Y, loss_mask = loader.next_batch()
+            X, Y, loss_mask, _ = loader.next_batch()
             with model.no_sync() if run.ddp and micro_step < cfg.accum_steps - 1 else nullcontext():
                 with run.autocast():
                     _, loss = model(X, Y, loss_mask)  # mean over assistant tokens only

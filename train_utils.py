@@ -346,22 +346,25 @@ def measure_peak_flops(device: torch.device, dtype: str, n: int = 2048, repeats:
 
 @torch.no_grad()
 def evaluate(loss_fn, loader, steps: int, run: Run) -> dict[str, float]:
-    """Mean of loss_fn(X, Y, loss_mask) -> {name: scalar tensor} over the first `steps` batches of loader
-    (all of it if fewer), averaged over ranks. The loader restarts from its first batch every time."""
-    loader.load_state_dict({"epoch": 0, "pos": 0})
-    totals: dict[str, torch.Tensor] = {}
-    n = min(steps, len(loader))
-    for _ in range(n):
-        for k, v in loss_fn(*loader.next_batch()).items():
-            totals[k] = totals.get(k, 0) + v.detach().float()
-    return {k: all_reduce_mean(v / n, run).item() for k, v in totals.items()}
+    """Mean of loss_fn(X, Y, loss_mask, indices) -> {name: scalar tensor} over (up to) the first `steps` evaluation
+    batches of every rank, reduced over ranks once at the end (ranks may hold one batch more or less)."""
+    totals, n = None, 0
+    for batch in loader.batches(steps):
+        metrics = loss_fn(*batch)
+        values = torch.stack([v.detach().float() for v in metrics.values()])
+        totals = values if totals is None else totals + values
+        n += 1
+    summed = torch.cat([totals, torch.tensor([float(n)], device=totals.device)])
+    if run.ddp:
+        dist.all_reduce(summed)
+    return {k: (v / summed[-1]).item() for k, v in zip(metrics, summed[:-1])}
 
 
 def validation_loss(model, loader, steps: int, run: Run) -> float:
     """The language-model loss (masked mean cross-entropy) on the first `steps` validation batches."""
     model.eval()
     with run.autocast():
-        loss = evaluate(lambda X, Y, M: {"loss": model(X, Y, M)[1]}, loader, steps, run)["loss"]
+        loss = evaluate(lambda X, Y, M, _: {"loss": model(X, Y, M)[1]}, loader, steps, run)["loss"]
     model.train()
     return loss
 
@@ -397,8 +400,8 @@ class Progress:
     out_dir/metrics.jsonl rows (loss, ppl, lr, grad norm, tokens/s, MFU, memory, ETA), evaluation rows, and
     checkpoints: out_dir/step_0000123.pt for the last keep_checkpoints saves, out_dir/best.pt for the best."""
 
-    def __init__(self, cfg, model_cfg, run: Run, model, optimizer, scaler, loader, max_steps: int):
-        self.cfg, self.model_cfg, self.run, self.max_steps = cfg, model_cfg, run, max_steps
+    def __init__(self, stage: str, cfg, model_cfg, run: Run, model, optimizer, scaler, loader, max_steps: int):
+        self.stage, self.cfg, self.model_cfg, self.run, self.max_steps = stage, cfg, model_cfg, run, max_steps
         self.model, self.optimizer, self.scaler, self.loader = model, optimizer, scaler, loader
         self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
         self.stop = StopSignal()
@@ -435,6 +438,10 @@ class Progress:
         self.start_step = self.log_step = state["step"]
         return state.get("extras", {}) | {"step": state["step"]}
 
+    def perplexity(self, name: str, loss: float | None) -> dict:
+        """{name: exp(loss)} for a language-model loss; nothing for DPO, whose loss is no cross-entropy."""
+        return {} if loss is None or self.stage == "dpo" else {name: math.exp(min(loss, 700))}
+
     def count(self, X: torch.Tensor):
         """Call once per micro-batch: tokens (and FLOPs) processed, for tokens/s and MFU."""
         self.tokens += X.numel()
@@ -457,7 +464,7 @@ class Progress:
         now = time.time()
         seconds = now - self.t_log
         loss_value = loss.item()
-        row = {"step": step, "loss": loss_value, "ppl": math.exp(min(loss_value, 700)), "lr": lr,
+        row = {"step": step, "loss": loss_value, **self.perplexity("ppl", loss_value), "lr": lr,
                "grad_norm": grad_norm.item(), **{k: v.item() if torch.is_tensor(v) else v for k, v in extra.items()},
                "tokens_per_s": self.tokens * self.run.world_size / seconds,
                "mfu": self.flops / seconds / self.peak_flops, "mem_gb": peak_memory_gb(self.run.device),
@@ -474,10 +481,7 @@ class Progress:
         Its time does not count against the training tokens/s."""
         t0 = time.time()
         metrics = metrics_fn()
-        row = {"step": step, **metrics}
-        if "val_loss" in metrics:
-            row["val_ppl"] = math.exp(min(metrics["val_loss"], 700))
-        self.write(row)
+        self.write({"step": step, **metrics, **self.perplexity("val_ppl", metrics.get("val_loss"))})
         self.t_log += time.time() - t0
         return metrics
 
@@ -486,7 +490,7 @@ class Progress:
         rank's RNG states, config. Every rank must call this (RNG states are gathered); rank 0 writes."""
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scaler": self.scaler.state_dict(), "loader": self.loader.state_dict(), "step": step,
-                 "extras": extras, "config": dataclasses.asdict(self.cfg),
+                 "extras": extras, "stage": self.stage, "config": dataclasses.asdict(self.cfg),
                  "model_config": dataclasses.asdict(self.model_cfg), "rng": gather_rng_states(self.run)}
         if self.run.ddp:  # DDP keeps replicas identical; prove it rather than checkpoint one of many
             state["rank_weight_diff"] = rank_weight_diff(self.model, self.run)

@@ -152,10 +152,13 @@ def test_skipped_lines_are_counted_by_reason(tok, tmp_path, capsys):
     assert "2 x skipped: the last message must be the assistant's" in capsys.readouterr().err
 
 
-def test_sft_records_carry_the_chat_mask(tok, tmp_path):
-    path = write_jsonl(tmp_path / "sft.jsonl", [{"conversations": CONVERSATION[1:], "system": "You are terse."}])
-    (ids, mask), = [tokenize_file(path, tok, "sft", max_len=512, verbose=False)[0]]
-    assert (ids.tolist(), mask.tolist()) == encode_chat(tok, CONVERSATION)
+def test_sft_records_carry_the_chat_mask_fresh_and_from_the_cache(tok, tmp_path):
+    path = write_jsonl(tmp_path / "sft.jsonl", [{"conversations": CONVERSATION[1:3]},
+                                                {"conversations": CONVERSATION[1:], "system": "You are terse."}])
+    for _ in range(2):  # built, then read back from the cache
+        records = tokenize_file(path, tok, "sft", max_len=512, verbose=False)
+        assert [(ids.tolist(), mask.tolist()) for ids, mask in (records[0], records[1])] == [
+            encode_chat(tok, CONVERSATION[1:3]), encode_chat(tok, CONVERSATION)]
 
 
 def test_both_dpo_formats_load_and_mask_only_the_answers(tok, tmp_path):
@@ -200,8 +203,9 @@ def test_the_cache_is_reused_and_rebuilt_when_source_or_tokenizer_change(tok, tm
     first = tokenize_file(path, tok, "pretrain", verbose=False)
     cache = path + ".pretrain.cache"
     stamp = os.stat(cache).st_mtime_ns
-    tokenize_file(path, tok, "pretrain", verbose=False)
+    again = tokenize_file(path, tok, "pretrain", verbose=False)
     assert os.stat(cache).st_mtime_ns == stamp  # reused
+    assert len(again) == len(first) and again[0][0].tolist() == first[0][0].tolist()
     write_jsonl(path, [{"text": "hello there world"}])
     second = tokenize_file(path, tok, "pretrain", verbose=False)
     assert second[0][0].tolist() != first[0][0].tolist()
@@ -263,3 +267,21 @@ def test_sft_data_items_are_single_rows(tok, tmp_path):
     path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": CONVERSATION[1:3]}] * 3)
     data = SFTData(tokenize_file(path, tok, "sft", max_len=64, verbose=False))
     assert len(data) == 3 and len(data[0]) == 1
+
+
+def test_evaluation_batches_cover_every_item_once_across_ranks_and_keep_the_position():
+    class Items:
+        def __len__(self):
+            return 11
+
+        def __getitem__(self, i):
+            return ((np.array([i, i]), None),)
+
+    seen = []
+    for rank in range(2):
+        loader = Loader(Items(), 4, pad_id=0, rank=rank, world_size=2)
+        loader.next_batch()
+        seen += [x for X, *_ in loader.batches(limit=100) for x in X[:, 0].tolist()]
+        assert loader.state_dict() == {"epoch": 0, "pos": 1}
+    assert sorted(seen) == list(range(11))
+    assert sum(len(X) for X, *_ in Loader(Items(), 4, pad_id=0).batches(limit=2)) == 8

@@ -1,0 +1,22 @@
+# A tiny model that learns the synthetic demo data (prepare_demo.py) in minutes on a CPU.
+out_dir = "out/demo/pretrain"
+data_path = "data/demo/pretrain.jsonl"
+val_fraction = 0.05
+# model: 1.6M parameters, half of them the tied 6400 x 128 embedding
+dim = 128
+n_layers = 4
+n_heads = 4
+n_kv_heads = 2
+max_seq_len = 128
+# optimisation: a small model on a small corpus takes a large learning rate
+batch_size = 32
+max_steps = 300
+lr = 3e-3
+min_lr = 3e-4
+warmup_steps = 30
+weight_decay = 0.1
+log_interval = 20
+eval_interval = 100
+eval_steps = 10
+save_interval = 1000
+keep_checkpoints = 1

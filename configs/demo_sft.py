@@ -1,0 +1,17 @@
+# SFT of the demo model (configs/demo.py) on the demo conversations.
+out_dir = "out/demo/sft"
+init_from = "out/demo/pretrain/best.pt"
+data_path = "data/demo/sft.jsonl"
+val_fraction = 0.05
+max_seq_len = 128
+batch_size = 32
+max_steps = 200
+# 1e-3, not the 2e-5 of the 26M recipe: a 1.6M-parameter model on a narrow task moves little at 2e-5
+lr = 1e-3
+min_lr = 1e-4
+warmup_ratio = 0.05
+log_interval = 20
+eval_interval = 50
+eval_steps = 10
+save_interval = 1000
+keep_checkpoints = 1

@@ -1,0 +1,116 @@
+"""
+Talk to a trained model.
+
+    python sample.py --ckpt out/sft/best.pt --prompt "What is the capital of France?"   # one answer
+    python sample.py --ckpt out/sft/best.pt                                             # multi-turn chat
+    python sample.py --ckpt out/pretrain/best.pt --prompt "The capital of"              # plain continuation
+
+SFT and DPO checkpoints answer in the chat template, keeping the conversation history; a pretraining
+checkpoint continues the text it is given. Generation streams token by token and uses the KV cache.
+"""
+import argparse
+import sys
+
+import torch
+
+from data import encode_chat, load_tokenizer
+from model import ModelConfig, Transformer
+from train_utils import load_checkpoint, load_model_state
+
+
+def load_model(path: str, device: str = "cpu") -> tuple[Transformer, dict]:
+    """An eval-mode model from a checkpoint, and the checkpoint's config (which says its stage)."""
+    state = load_checkpoint(path)
+    model = Transformer(ModelConfig(**state["model_config"]))
+    load_model_state(model, state["model"], path)
+    return model.to(device).eval(), state["config"] | {"stage": state["stage"]}
+
+
+def prompt_ids(tokenizer, history: list[dict], user: str, system: str | None, max_len: int, chat: bool) -> list[int]:
+    """The ids to generate from: the whole conversation in the chat template (earliest turns dropped when it
+    does not fit in max_len), or for a pretraining checkpoint just <s> and the text."""
+    if not chat:
+        return ([tokenizer.bos_id] + tokenizer.encode(user))[-max_len:]
+    ids, _ = encode_chat(tokenizer, history + [{"role": "user", "content": user}], system, max_len=max_len)
+    return ids
+
+
+def respond(model, tokenizer, ids: list[int], args, out=None) -> str:
+    """Generate an answer to ids, streaming its text to out (if given); returns the text without the template's
+    surrounding spaces. Ctrl-C stops the answer early."""
+    device = next(model.parameters()).device
+    new: list[int] = []
+    shown = ""
+    try:
+        for token in model.stream(torch.tensor([ids], device=device), args.max_new_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                                  eos_id=tokenizer.eos_id):
+            if token.item() == tokenizer.eos_id:
+                break
+            new.append(token.item())
+            text = tokenizer.decode(new).lstrip(" ")
+            if out is not None and not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                out.write(text[len(shown):])
+                out.flush()
+                shown = text
+    except KeyboardInterrupt:
+        if out is not None:
+            out.write(" [interrupted]")
+    if out is not None:
+        out.write("\n")
+    return tokenizer.decode(new).strip(" ")
+
+
+def chat_loop(model, tokenizer, args, chat: bool, read=input, out=sys.stdout) -> list[dict]:
+    """Read a line, answer it, repeat; Ctrl-D or Ctrl-C at the prompt ends. Returns the conversation."""
+    history: list[dict] = []
+    budget = model.config.max_seq_len - args.max_new_tokens
+    while True:
+        try:
+            user = read("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            out.write("\n")
+            return history
+        if not user:
+            continue
+        out.write("bot> ")
+        answer = respond(model, tokenizer, prompt_ids(tokenizer, history, user, args.system, budget, chat), args, out)
+        if chat:
+            history += [{"role": "user", "content": user}, {"role": "assistant", "content": answer or "..."}]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="a checkpoint written by train_pretrain/sft/dpo.py")
+    p.add_argument("--prompt", help="answer this once and exit; without it, chat interactively")
+    p.add_argument("--system", help="system prompt (chat checkpoints)")
+    p.add_argument("--tokenizer_path", help="default: the tokenizer shipped in tokenizer/")
+    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    p.add_argument("--top_k", type=int, default=None)
+    p.add_argument("--top_p", type=float, default=0.9)
+    p.add_argument("--repetition_penalty", type=float, default=1.0)
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    model, config = load_model(args.ckpt, args.device)
+    tokenizer = load_tokenizer(args.tokenizer_path)
+    chat = config["stage"] != "pretrain"
+    if args.max_new_tokens >= model.config.max_seq_len:
+        sys.exit(f"--max_new_tokens must be below the model's max_seq_len ({model.config.max_seq_len})")
+    if args.prompt is not None:
+        budget = model.config.max_seq_len - args.max_new_tokens
+        respond(model, tokenizer, prompt_ids(tokenizer, [], args.prompt, args.system, budget, chat), args, sys.stdout)
+        return
+    print(f"{config['stage']} checkpoint {args.ckpt}: " + ("chat in the template; " if chat else "plain continuation; ")
+          + "Ctrl-C stops an answer, Ctrl-D or Ctrl-C at the prompt quits")
+    chat_loop(model, tokenizer, args, chat)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import train_dpo
+from conftest import TINY_RUN, read_metrics
+from data import DPOData, collate, tokenize_file
+from model import ModelConfig, Transformer
+from tokenizer import load_tokenizer
+from train_dpo import dpo_loss, sequence_logprobs
+
+
+def dpo(tiny_sft, demo_dir, out_dir, *flags):
+    train_dpo.main([f"--init_from={tiny_sft}", f"--data_path={demo_dir}/dpo.jsonl", f"--out_dir={out_dir}", *TINY_RUN,
+                    "--batch_size=8", "--lr=1e-3", "--warmup_steps=0", "--max_prompt_length=32",
+                    "--max_completion_length=32", "--eval_steps=4", *flags])
+
+
+def test_dpo_loss_by_hand():
+    pc, pr = torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -0.5])
+    rc, rr = torch.tensor([-1.5, -1.0]), torch.tensor([-2.0, -1.5])
+    loss, m = dpo_loss(pc, pr, rc, rr, beta=0.5)
+    # pair 0: 0.5 * ((-1 + 1.5) - (-3 + 2)) = 0.75 > 0; pair 1: 0.5 * ((-2 + 1) - (-0.5 + 1.5)) = -1.0 < 0
+    expected = (-math.log(1 / (1 + math.exp(-0.75))) - math.log(1 / (1 + math.exp(1.0)))) / 2
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert m["reward_margin"].item() == pytest.approx((0.75 - 1.0) / 2)
+    assert m["reward_acc"].item() == 0.5
+    assert m["chosen_reward"].item() == pytest.approx((0.25 - 0.5) / 2)
+    assert m["rejected_reward"].item() == pytest.approx((-0.5 + 0.5) / 2)
+
+
+def test_the_dpo_gradient_raises_chosen_and_lowers_rejected():
+    pc, pr = torch.tensor([-2.0], requires_grad=True), torch.tensor([-2.0], requires_grad=True)
+    loss, _ = dpo_loss(pc, pr, torch.tensor([-2.0]), torch.tensor([-2.0]), beta=0.1)
+    loss.backward()
+    assert loss.item() == pytest.approx(math.log(2))
+    assert pc.grad.item() == pytest.approx(-0.05) and pr.grad.item() == pytest.approx(0.05)  # beta * sigmoid(0)
+
+
+def pair_batch(tok, prompt_ids, chosen_ids, rejected_ids):
+    prompt = np.array(prompt_ids)
+    rows = [(np.concatenate([prompt, a]), np.concatenate([np.zeros(len(prompt)), np.ones(len(a))]))
+            for a in (np.array(chosen_ids), np.array(rejected_ids))]
+    return collate(rows, tok.pad_id)
+
+
+def test_sequence_logprobs_exclude_the_prompt_and_normalise_by_the_answer_length():
+    tok = load_tokenizer()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64))
+    X, Y, M = pair_batch(tok, [tok.bos_id, 10, 11, 12, 13], [20, 21, 22, tok.eos_id], [30, tok.eos_id])
+    summed = sequence_logprobs(model, X, Y, M, length_norm=False)
+    per_token = model.token_logprobs(X, Y)
+    assert torch.allclose(summed, (per_token * M).sum(-1))
+    assert torch.allclose(sequence_logprobs(model, X, Y, M, length_norm=True), summed / torch.tensor([4.0, 2.0]))
+    changed = Y.clone()
+    changed[:, 1] = 99  # a target inside the prompt
+    assert torch.equal(sequence_logprobs(model, X, changed, M, length_norm=False), summed)
+    changed[0, 5] = 99  # the chosen answer's second token
+    assert not torch.equal(sequence_logprobs(model, X, changed, M, length_norm=False)[0], summed[0])
+
+
+def test_at_step_zero_the_loss_is_ln2_and_every_margin_is_zero(tiny_sft, demo_dir, tmp_path):
+    dpo(tiny_sft, demo_dir, tmp_path, "--max_steps=1", "--lr=0")
+    (row,) = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert row["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert row["reward_margin"] == 0.0 and row["chosen_reward"] == 0.0 and row["reward_acc"] == 0.0
+
+
+def test_precomputed_and_on_the_fly_reference_give_the_same_trajectory(tiny_sft, demo_dir, tmp_path):
+    dpo(tiny_sft, demo_dir, tmp_path / "live", "--max_steps=6", "--eval_interval=3")
+    dpo(tiny_sft, demo_dir, tmp_path / "pre", "--max_steps=6", "--eval_interval=3", "--precompute_ref=True")
+    live, pre = read_metrics(tmp_path / "live"), read_metrics(tmp_path / "pre")
+    assert len(live) == len(pre)
+    for a, b in zip(live, pre):
+        for k in ("loss", "reward_margin", "reward_acc", "val_loss", "val_reward_acc"):
+            if k in a:
+                assert a[k] == pytest.approx(b[k], abs=1e-5), (a["step"], k)
+    assert list((demo_dir).glob("dpo.jsonl.ref-*.pt"))  # the cache beside the data
+
+
+def test_a_few_dpo_steps_raise_reward_accuracy_on_the_training_pairs(tiny_sft, demo_dir, tmp_path):
+    pairs = tmp_path / "pairs.jsonl"  # 32 training pairs, also used as the evaluation set
+    pairs.write_text("".join(open(f"{demo_dir}/dpo.jsonl", encoding="utf-8").readlines()[:32]), encoding="utf-8")
+    dpo(tiny_sft, demo_dir, tmp_path, f"--data_path={pairs}", f"--val_data_path={pairs}", "--max_steps=48",
+        "--eval_interval=48", "--eval_steps=100", "--lr=3e-3")
+    final = [r for r in read_metrics(tmp_path) if "val_reward_acc" in r][-1]
+    assert final["val_reward_acc"] >= 0.9 and final["val_reward_margin"] > 0  # at step 0 every margin is 0
+    assert final["val_loss"] < 0.5 * math.log(2)
+
+
+def test_both_formats_load_through_the_dpo_dataset(demo_dir):
+    tok = load_tokenizer()
+    data = DPOData(tokenize_file(f"{demo_dir}/dpo.jsonl", tok, "dpo", verbose=False))
+    lines = open(f"{demo_dir}/dpo.jsonl", encoding="utf-8").read().splitlines()
+    assert len(data) == len(lines) and '"prompt"' in lines[0] and '"prompt"' not in lines[1]
+    for i in range(2):
+        (chosen, cmask), (rejected, rmask) = data[i]
+        assert chosen[-1] == tok.eos_id and cmask[-1] == 1 and rmask[0] == 0

@@ -1,0 +1,185 @@
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train_pretrain
+from conftest import TINY_MODEL, TINY_RUN, final_weights, read_metrics, train_losses
+from model import ModelConfig, Transformer
+from train_utils import (CheckpointError, ConfigError, NonFiniteError, Run, get_lr, load_checkpoint, load_config,
+                         load_model_state, optimizer_step)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pretrain(demo_dir, out_dir, *flags):
+    train_pretrain.main([f"--data_path={demo_dir}/pretrain.jsonl", f"--out_dir={out_dir}", *TINY_MODEL, *TINY_RUN,
+                         "--batch_size=8", "--lr=3e-3", "--warmup_steps=3", *flags])
+
+
+# --- schedule -------------------------------------------------------------------------------------
+
+def test_get_lr_warmup_cosine_and_floor():
+    kw = dict(lr=5e-4, min_lr=1e-5, warmup_steps=100, max_steps=1100)
+    assert get_lr(0, **kw) == 0.0
+    assert get_lr(50, **kw) == pytest.approx(2.5e-4)
+    assert get_lr(100, **kw) == pytest.approx(5e-4)
+    assert get_lr(600, **kw) == pytest.approx(2.55e-4)  # cosine midpoint: (lr + min_lr) / 2
+    assert get_lr(1100, **kw) == pytest.approx(1e-5)
+    assert get_lr(5000, **kw) == pytest.approx(1e-5)
+    lrs = [get_lr(s, **kw) for s in range(100, 1101)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # monotone decay after warmup
+
+
+# --- configuration --------------------------------------------------------------------------------
+
+def test_config_file_then_flags_and_int_for_float(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("dim = 128\nlr = 1\n# a comment\nn_layers = 3\n")
+    cfg, model_cfg = load_config([str(path), "--n_layers=5", "--lr=3e-4", "--resume=true", "--out_dir=out/x"],
+                                 train_pretrain.Config, ModelConfig)
+    assert (model_cfg.dim, model_cfg.n_layers, cfg.lr, cfg.resume, cfg.out_dir) == (128, 5, 3e-4, True, "out/x")
+    (cfg,) = load_config(["--lr=1"], train_pretrain.Config)
+    assert cfg.lr == 1.0 and type(cfg.lr) is float
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["--learning_rate=3e-4"], "learning_rate"),
+    (["--batch_size=3.5"], "batch_size"),
+    (["--batch_size=True"], "batch_size"),
+    (["--resume=maybe"], "resume"),
+    (["--max_steps=ten"], "max_steps"),
+])
+def test_unknown_keys_and_wrong_types_name_the_key(argv, key):
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        load_config(argv, train_pretrain.Config, ModelConfig)
+
+
+def test_a_wrong_key_in_a_config_file_names_file_and_key(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text("dim = 64\nn_layer = 2\n")
+    with pytest.raises(ConfigError, match=r"'n_layer' \(from .*bad\.py\)"):
+        load_config([str(path)], train_pretrain.Config, ModelConfig)
+
+
+# --- the training loop ----------------------------------------------------------------------------
+
+def test_loss_falls_and_the_schedule_steps_once_per_optimizer_step(demo_dir, tmp_path):
+    pretrain(demo_dir, tmp_path, "--max_steps=40", "--accum_steps=2", "--batch_size=4", "--warmup_ratio=0.25",
+             "--eval_interval=20")
+    rows = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    for r in rows:  # the row of step s reports the lr its update used: get_lr(s - 1), warmup 10 = 0.25 * 40
+        assert r["lr"] == pytest.approx(get_lr(r["step"] - 1, lr=3e-3, min_lr=1e-5, warmup_steps=10, max_steps=40))
+    val = [r["val_loss"] for r in read_metrics(tmp_path) if "val_loss" in r]
+    assert len(val) == 2 and val[1] < val[0]
+    assert sum(r["loss"] for r in rows[-5:]) < 0.8 * sum(r["loss"] for r in rows[:5])
+
+
+def test_resume_continues_exactly_as_an_uninterrupted_run(demo_dir, tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    pretrain(demo_dir, full, "--max_steps=12", "--save_interval=5", "--keep_checkpoints=10", "--eval_interval=4")
+    os.makedirs(resumed)
+    shutil.copy(full / "step_0000005.pt", resumed)  # as if the run had died right after step 5
+    pretrain(demo_dir, resumed, "--max_steps=12", "--save_interval=5", "--keep_checkpoints=10", "--eval_interval=4",
+             "--resume=True")
+    a, b = train_losses(full), train_losses(resumed)
+    assert set(b) == set(range(6, 13)) and all(a[s] == b[s] for s in b)  # bit-identical after the resume point
+    wa, wb = final_weights(full, 12), final_weights(resumed, 12)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_gradient_accumulation_matches_one_big_batch(demo_dir, tmp_path):
+    pretrain(demo_dir, tmp_path / "big", "--max_steps=4", "--batch_size=8", "--accum_steps=1")
+    pretrain(demo_dir, tmp_path / "accum", "--max_steps=4", "--batch_size=4", "--accum_steps=2")
+    a, b = train_losses(tmp_path / "big"), train_losses(tmp_path / "accum")
+    assert all(abs(a[s] - b[s]) <= 1e-5 for s in a)
+    wa, wb = final_weights(tmp_path / "big", 4), final_weights(tmp_path / "accum", 4)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-5
+
+
+def test_ddp_two_processes_match_one_process_with_the_same_global_batch(demo_dir, tmp_path):
+    common = [f"--data_path={demo_dir}/pretrain.jsonl", *TINY_MODEL, *TINY_RUN, "--lr=3e-3", "--warmup_steps=3",
+              "--max_steps=5", "--accum_steps=2"]
+    pretrain_args = ["--batch_size=4", f"--out_dir={tmp_path / 'single'}"]
+    train_pretrain.main(common + pretrain_args)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(REPO, "train_pretrain.py"), *common, "--batch_size=2", f"--out_dir={tmp_path / 'ddp'}"]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    a, b = train_losses(tmp_path / "single"), train_losses(tmp_path / "ddp")
+    assert set(a) == set(b) and all(abs(a[s] - b[s]) <= 1e-5 for s in a)
+    ckpt = load_checkpoint(str(tmp_path / "ddp" / "step_0000005.pt"))
+    assert ckpt["rank_weight_diff"] == 0.0  # both ranks hold identical weights
+    assert len(ckpt["rng"]) == 2
+    single = final_weights(tmp_path / "single", 5)
+    assert max((single[k] - ckpt["model"][k]).abs().max().item() for k in single) <= 1e-5
+
+
+def test_a_fresh_run_refuses_an_out_dir_with_checkpoints(demo_dir, tmp_path):
+    pretrain(demo_dir, tmp_path, "--max_steps=2")
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        pretrain(demo_dir, tmp_path, "--max_steps=2")
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_truncated_checkpoint_is_a_clear_error_and_the_previous_one_survives(demo_dir, tmp_path):
+    pretrain(demo_dir, tmp_path, "--max_steps=6", "--save_interval=3", "--eval_interval=100")
+    latest = tmp_path / "step_0000006.pt"
+    data = latest.read_bytes()
+    latest.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"step_0000006\.pt is not a readable checkpoint.*step_0000003\.pt"):
+        pretrain(demo_dir, tmp_path, "--max_steps=6", "--resume=True")
+    assert load_checkpoint(str(tmp_path / "step_0000003.pt"))["step"] == 3
+
+
+def test_weights_of_another_shape_are_an_error_naming_the_keys():
+    small = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16))
+    other = Transformer(ModelConfig(dim=32, n_layers=3, n_heads=4, n_kv_heads=1, vocab_size=64, max_seq_len=16))
+    with pytest.raises(CheckpointError, match=r"layers\.2\.attention\.wq\.weight.*layers\.0\.attention\.wk\.weight"):
+        load_model_state(small, other.state_dict(), "other.pt")
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run():
+    model = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16))
+    opt = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    run = Run(torch.device("cpu"), "float32")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad = 0
+    for i in range(2):
+        x = torch.randint(0, 64, (2, 9))
+        _, loss = model(x[:, :-1], x[:, 1:])
+        (loss * float("nan")).backward()
+        _, _, bad = optimizer_step(model, opt, scaler, 1.0, loss.detach() * float("nan"), run, bad, max_bad_steps=3)
+        assert bad == i + 1
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was applied
+    assert not opt.state  # nor did the optimizer's moments see the bad gradients
+    with pytest.raises(NonFiniteError, match="3 optimizer steps in a row"):
+        x = torch.randint(0, 64, (2, 9))
+        _, loss = model(x[:, :-1], x[:, 1:])
+        (loss * float("inf")).backward()
+        optimizer_step(model, opt, scaler, 1.0, loss.detach(), run, bad, max_bad_steps=3)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits(demo_dir, tmp_path):
+    cmd = [sys.executable, os.path.join(REPO, "train_pretrain.py"), f"--data_path={demo_dir}/pretrain.jsonl",
+           f"--out_dir={tmp_path}", *TINY_MODEL, *TINY_RUN, "--batch_size=8", "--max_steps=100000", "--eval_interval=100000"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text().strip():
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-2000:]
+    (stopped,) = [line for line in out.splitlines() if line.startswith("stopped at step")]
+    step = int(stopped.split()[3].rstrip(";"))
+    assert load_checkpoint(str(tmp_path / f"step_{step:07d}.pt"))["step"] == step
