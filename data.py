@@ -12,6 +12,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections import Counter
@@ -192,6 +193,10 @@ _worker: dict = {}
 
 
 def _init_worker(tokenizer, kind, path, options, skip_bad):
+    # a forked worker inherits the trainer's handlers, under which SIGTERM would not end it: restore the
+    # defaults, and leave Ctrl-C to the parent
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker.update(tokenizer=tokenizer, kind=kind, path=path, options=options, skip_bad=skip_bad)
 
 
@@ -306,6 +311,7 @@ def tokenize_file(path: str, tokenizer, kind: str, skip_bad: bool = False, proce
     size, done, t0, last = os.path.getsize(path), 0, time.time(), 0.0
     columns, notes = [[] for _ in names], Counter()
     processes = processes or min(os.cpu_count() or 1, 8)
+    # leaving the block terminates the workers: they must die on SIGTERM (see _init_worker)
     with multiprocessing.Pool(processes, _init_worker, (tokenizer, kind, path, options, skip_bad)) as pool:
         for records, chunk_notes, n_bytes in pool.imap(_encode_chunk, read_units(path)):
             for arrays in records:

@@ -91,37 +91,30 @@ def sum_qa(a, b, lang, rng):
     return rng.choice(templates).format(a=a, b=b), answer.format(a=a, b=b, s=a + b)
 
 
-def statements(max_number: int, repeats: int, sum_repeats: int, rng) -> list[tuple[str, str]]:
-    """Every fact in every phrasing, (language, sentence), each repeated so that a small model can learn it."""
-    out = []
-    for c_en, c_zh, k_en, k_zh, m in COUNTRIES:
-        for _ in range(repeats):
-            out += [("en", sentence(t.format(c=c_en, k=k_en))) for t in CAPITAL_EN]
-            out += [("zh", t.format(c=c_zh, k=k_zh)) for t in CAPITAL_ZH]
-            out += [("en", sentence(t.format(c=c_en, k=k_en, m=CONTINENTS[m][0]))) for t in CONTINENT_EN]
-            out += [("zh", t.format(c=c_zh, k=k_zh, m=CONTINENTS[m][1])) for t in CONTINENT_ZH]
-    for a in range(max_number):
-        for b in range(max_number):
-            for _ in range(sum_repeats):
-                out.append(("en", rng.choice(SUM_EN).format(a=a, b=b, s=a + b)))
-                out.append(("zh", rng.choice(SUM_ZH).format(a=a, b=b, s=a + b)))
-    rng.shuffle(out)
-    return out
+def statement(rng, lang: str, countries_pairs) -> str:
+    """One random fact in one random phrasing: a capital (25%), a continent (15%) or a sum (60%)."""
+    kind = rng.random()
+    if kind < 0.4:
+        c_en, c_zh, k_en, k_zh, m = rng.choice(COUNTRIES)
+        if kind < 0.25:
+            templates, c, k = (CAPITAL_EN, c_en, k_en) if lang == "en" else (CAPITAL_ZH, c_zh, k_zh)
+        else:
+            templates, c, k = (CONTINENT_EN, c_en, k_en) if lang == "en" else (CONTINENT_ZH, c_zh, k_zh)
+        text = rng.choice(templates).format(c=c, k=k, m=CONTINENTS[m][lang == "zh"])
+    else:
+        a, b = rng.choice(countries_pairs)
+        text = rng.choice(SUM_EN if lang == "en" else SUM_ZH).format(a=a, b=b, s=a + b)
+    return sentence(text) if lang == "en" else text
 
 
-def documents(sentences, rng) -> list[str]:
-    """Group sentences of one language into short documents of 4-10 sentences."""
-    docs, by_lang = [], {"en": [], "zh": []}
-    for lang, s in sentences:
-        by_lang[lang].append(s)
-    for lang, pool in by_lang.items():
-        sep = " " if lang == "en" else ""
-        i = 0
-        while i < len(pool):
-            n = rng.randint(4, 10)
-            docs.append(sep.join(pool[i : i + n]))
-            i += n
-    rng.shuffle(docs)
+def documents(n: int, max_number: int, rng) -> list[str]:
+    """n short documents, each 4-10 random facts in one language. Every fact, held-out ones included, appears
+    many times, each time among different neighbours, so a model learns the facts rather than the documents."""
+    pairs = [(a, b) for a in range(max_number) for b in range(max_number)]
+    docs = []
+    for _ in range(n):
+        lang = rng.choice(["en", "zh"])
+        docs.append((" " if lang == "en" else "").join(statement(rng, lang, pairs) for _ in range(rng.randint(4, 10))))
     return docs
 
 
@@ -191,9 +184,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", default="data/demo")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--max_number", type=int, default=20, help="sums of two numbers below this")
-    p.add_argument("--repeats", type=int, default=8, help="copies of each capital/continent statement")
-    p.add_argument("--sum_repeats", type=int, default=4, help="statements of each sum per language")
+    p.add_argument("--max_number", type=int, default=30, help="sums of two numbers below this")
+    p.add_argument("--pretrain_docs", type=int, default=30000, help="pretraining documents")
     p.add_argument("--held_out_countries", type=int, default=8)
     p.add_argument("--held_out_sums", type=float, default=0.1, help="fraction of number pairs held out")
     p.add_argument("--sft", type=int, default=8000, help="SFT conversations")
@@ -211,7 +203,7 @@ def main(argv=None):
     held_pairs, train_pairs = pairs[:n_held], pairs[n_held:]
 
     os.makedirs(args.out_dir, exist_ok=True)
-    docs = documents(statements(args.max_number, args.repeats, args.sum_repeats, rng), rng)
+    docs = documents(args.pretrain_docs, args.max_number, rng)
     write_jsonl(f"{args.out_dir}/pretrain.jsonl", ({"text": d} for d in docs))
     write_jsonl(f"{args.out_dir}/sft.jsonl", (conversation(rng, train_countries, train_pairs) for _ in range(args.sft)))
     write_jsonl(f"{args.out_dir}/dpo.jsonl",

@@ -12,7 +12,7 @@ import torch
 
 from data import Loader, PretrainData, load_split, load_tokenizer
 from model import ModelConfig, Transformer
-from train_utils import (ConfigError, Progress, get_lr, load_config, optimizer_step, print0, seed_rank, set_lr,
+from train_utils import (ConfigError, Progress, all_reduce_mean, get_lr, load_config, print0, seed_rank, set_lr,
                          setup, start, teardown, validation_loss, wrap)
 
 
@@ -47,6 +47,8 @@ class Config:
     eval_steps: int = 50
     save_interval: int = 5000
     keep_checkpoints: int = 3
+    grad_log_interval: int = 0  # every this many steps, per-layer gradient norms (plot.py's gradient flow); 0: off
+    profile: bool = False  # torch.profiler over steps 3-5: a Chrome trace in out_dir and the top ops table
     wandb: bool = False
     # --- system
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -93,24 +95,32 @@ def main(argv: list[str]):
     def val_metrics() -> dict[str, float]:
         return {"val_loss": validation_loss(raw_model, val_loader, cfg.eval_steps, run)}
 
-    bad_steps = 0
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
         loss_sum = torch.zeros((), device=run.device)
         for micro_step in range(cfg.accum_steps):
-            X, Y, loss_mask, _ = loader.next_batch()
+            with progress.time("data"):
+                X, Y, loss_mask, _ = loader.next_batch()
             # DDP all-reduces gradients in the backward of the last micro-step only
             with model.no_sync() if run.ddp and micro_step < cfg.accum_steps - 1 else nullcontext():
-                with run.autocast():
+                with progress.time("forward"), run.autocast():
                     _, loss = model(X, Y, loss_mask)
-                scaler.scale(loss / cfg.accum_steps).backward()
+                with progress.time("backward"):
+                    scaler.scale(loss / cfg.accum_steps).backward()
             loss_sum += loss.detach()
             progress.count(X)
-        loss_sum, grad_norm, bad_steps = optimizer_step(model, optimizer, scaler, cfg.max_grad_norm, loss_sum, run,
-                                                        bad_steps, cfg.max_bad_steps)
+        with progress.time("optimizer"):
+            loss = all_reduce_mean(loss_sum / cfg.accum_steps, run)  # all ranks must step, or skip, alike
+            scaler.unscale_(optimizer)  # clip the true gradients, not the float16-scaled ones
+            progress.grad_flow(step + 1, raw_model)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
+            if progress.finite(step + 1, loss, grad_norm) or scaler.is_enabled():  # float16: the scaler skips inf
+                scaler.step(optimizer)
+                scaler.update()
+            optimizer.zero_grad(set_to_none=True)
         step += 1
 
-        progress.log(step, loss_sum / cfg.accum_steps, lr, grad_norm)
+        progress.log(step, loss, lr, grad_norm)
         if step % cfg.eval_interval == 0 or step == max_steps:
             v = progress.evaluate(step, val_metrics)["val_loss"]
             if v < best_val_loss:

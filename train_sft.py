@@ -11,8 +11,8 @@ import torch
 
 from data import Loader, SFTData, load_split, load_tokenizer
 from model import ModelConfig, Transformer
-from train_utils import (ConfigError, Progress, get_lr, load_checkpoint, load_config, load_model_state,
-                         optimizer_step, print0, seed_rank, set_lr, setup, start, teardown, validation_loss, wrap)
+from train_utils import (ConfigError, Progress, all_reduce_mean, get_lr, load_checkpoint, load_config,
+                         load_model_state, print0, seed_rank, set_lr, setup, start, teardown, validation_loss, wrap)
 
 
 @dataclasses.dataclass
@@ -55,13 +55,15 @@ class Config:
     eval_steps: int = 50
     save_interval: int = 1000
     keep_checkpoints: int = 3
+    grad_log_interval: int = 0  # every this many steps, per-layer gradient norms (plot.py's gradient flow); 0: off
+    profile: bool = False  # torch.profiler over steps 3-5: a Chrome trace in out_dir and the top ops table
     wandb: bool = False
     # --- system
     device: str = "auto"
     dtype: str = "auto"
     compile: bool = False
     seed: int = 1337
-    max_bad_steps: int = 10
+    max_bad_steps: int = 10  # stop after this many non-finite steps in a row
     peak_flops: float = 0.0
 
 
@@ -105,23 +107,31 @@ def main(argv: list[str]):
         print0("before SFT:")
         progress.evaluate(0, val_metrics)
 
-    bad_steps = 0
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
         loss_sum = torch.zeros((), device=run.device)
         for micro_step in range(cfg.accum_steps):
-            X, Y, loss_mask, _ = loader.next_batch()
+            with progress.time("data"):
+                X, Y, loss_mask, _ = loader.next_batch()
             with model.no_sync() if run.ddp and micro_step < cfg.accum_steps - 1 else nullcontext():
-                with run.autocast():
+                with progress.time("forward"), run.autocast():
                     _, loss = model(X, Y, loss_mask)  # mean over assistant tokens only
-                scaler.scale(loss / cfg.accum_steps).backward()
+                with progress.time("backward"):
+                    scaler.scale(loss / cfg.accum_steps).backward()
             loss_sum += loss.detach()
             progress.count(X)
-        loss_sum, grad_norm, bad_steps = optimizer_step(model, optimizer, scaler, cfg.max_grad_norm, loss_sum, run,
-                                                        bad_steps, cfg.max_bad_steps)
+        with progress.time("optimizer"):
+            loss = all_reduce_mean(loss_sum / cfg.accum_steps, run)  # all ranks must step, or skip, alike
+            scaler.unscale_(optimizer)  # clip the true gradients, not the float16-scaled ones
+            progress.grad_flow(step + 1, raw_model)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
+            if progress.finite(step + 1, loss, grad_norm) or scaler.is_enabled():  # float16: the scaler skips inf
+                scaler.step(optimizer)
+                scaler.update()
+            optimizer.zero_grad(set_to_none=True)
         step += 1
 
-        progress.log(step, loss_sum / cfg.accum_steps, lr, grad_norm)
+        progress.log(step, loss, lr, grad_norm)
         stopping = progress.stop_requested(step)
         if step % cfg.eval_interval == 0 or step % steps_per_epoch == 0 or step == max_steps:
             v = progress.evaluate(step, val_metrics)["val_loss"]

@@ -193,26 +193,15 @@ class NonFiniteError(RuntimeError):
     pass
 
 
-def optimizer_step(model, optimizer, scaler, max_grad_norm: float, loss_sum: torch.Tensor, run: Run,
-                   bad_steps: int, max_bad_steps: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Unscale, clip and step, unless the loss or the gradient norm is not finite: then skip the update.
-    loss_sum is this rank's summed micro-batch losses. Returns (its mean over ranks, grad norm before
-    clipping, consecutive skipped steps); raises NonFiniteError after max_bad_steps skips in a row."""
-    loss_sum = all_reduce_mean(loss_sum, run)  # every rank decides alike, or their weights would drift apart
-    scaler.unscale_(optimizer)  # clip the true gradients, not the float16-scaled ones
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
-    finite = bool(torch.isfinite(grad_norm + loss_sum))  # the one host sync per optimizer step
-    if finite or scaler.is_enabled():
-        scaler.step(optimizer)  # float16: the scaler skips inf/NaN steps itself and lowers its scale
-        scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    if finite:
-        return loss_sum, grad_norm, 0
-    if bad_steps + 1 >= max_bad_steps:
-        raise NonFiniteError(f"{bad_steps + 1} optimizer steps in a row had a non-finite loss or gradient "
-                             f"(loss {loss_sum.item()}, grad norm {grad_norm.item()}); lower lr, check the data, "
-                             f"or use bfloat16 instead of float16")
-    return loss_sum, grad_norm, bad_steps + 1
+def group_grad_norms(model) -> dict[str, float]:
+    """Gradient norm per top-level part: tok_embeddings, layers.0 .. layers.N-1, norm (the gradient flow)."""
+    squares: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            parts = name.removeprefix("module.").removeprefix("_orig_mod.").split(".")
+            group = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+            squares[group] = squares.get(group, 0) + p.grad.float().pow(2).sum()
+    return {k: v.sqrt().item() for k, v in squares.items()}
 
 
 # -----------------------------------------------------------------------------
@@ -396,9 +385,12 @@ def wrap(model, cfg, run: Run):
 
 
 class Progress:
-    """Everything around the optimizer step that every stage does alike: resume, log lines and
-    out_dir/metrics.jsonl rows (loss, ppl, lr, grad norm, tokens/s, MFU, memory, ETA), evaluation rows, and
-    checkpoints: out_dir/step_0000123.pt for the last keep_checkpoints saves, out_dir/best.pt for the best."""
+    """Everything around the optimizer step that every stage does alike: resume, the non-finite guard, phase
+    timing, log lines and out_dir/metrics.jsonl rows (loss, ppl, lr, grad norm, tokens/s, MFU, memory, time
+    split, ETA), gradient-flow and evaluation rows, profiling, and checkpoints: out_dir/step_0000123.pt for the
+    last keep_checkpoints saves, out_dir/best.pt for the best validation loss."""
+
+    PHASES = ("data", "forward", "backward", "optimizer")
 
     def __init__(self, stage: str, cfg, model_cfg, run: Run, model, optimizer, scaler, loader, max_steps: int):
         self.stage, self.cfg, self.model_cfg, self.run, self.max_steps = stage, cfg, model_cfg, run, max_steps
@@ -407,6 +399,14 @@ class Progress:
         self.stop = StopSignal()
         self.peak_flops = cfg.peak_flops or measure_peak_flops(run.device, run.dtype)
         self.tokens = self.flops = 0  # this rank's, since the last log line
+        self.phase_s = dict.fromkeys(self.PHASES, 0.0)
+        self.phase_events: list = []  # CUDA: (phase, start, end) events, read at the log line
+        self.bad_in_a_row = self.skipped = 0
+        self.profiler = None
+        if cfg.profile and run.master:  # 2 steps to settle, then 3 recorded
+            self.profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=1, warmup=1, active=3),
+                                                   on_trace_ready=self._trace_ready, record_shapes=True)
+            self.profiler.start()
         self.wandb = None
 
     def resume(self, path: str | None) -> dict:
@@ -420,6 +420,7 @@ class Progress:
             self.scaler.load_state_dict(state["scaler"])
             self.loader.load_state_dict(state["loader"])
             set_rng_state(state["rng"][self.run.rank])
+            self.skipped = state["skipped"]
             print0(f"resumed from {path} at step {state['step']}")
         if self.run.master:
             kept = []
@@ -435,42 +436,93 @@ class Progress:
                 self.wandb = wandb.init(project="nanomind", name=os.path.basename(os.path.normpath(self.cfg.out_dir)),
                                         config=dataclasses.asdict(self.cfg))
         self.t_start = self.t_log = time.time()
-        self.start_step = self.log_step = state["step"]
+        self.start_step = state["step"]
         return state.get("extras", {}) | {"step": state["step"]}
 
-    def perplexity(self, name: str, loss: float | None) -> dict:
-        """{name: exp(loss)} for a language-model loss; nothing for DPO, whose loss is no cross-entropy."""
-        return {} if loss is None or self.stage == "dpo" else {name: math.exp(min(loss, 700))}
+    @contextmanager
+    def time(self, phase: str):
+        """Wall time of one phase of the step. CUDA runs asynchronously, so there events are recorded and read
+        at the next log line instead of synchronising here."""
+        if self.run.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.phase_events.append((phase, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.phase_s[phase] += time.perf_counter() - t0
 
     def count(self, X: torch.Tensor):
         """Call once per micro-batch: tokens (and FLOPs) processed, for tokens/s and MFU."""
         self.tokens += X.numel()
         self.flops += self.model.flops_per_token(X.size(1)) * X.numel()
 
-    def write(self, row: dict):
+    def finite(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """May this optimizer step be taken? Not when the loss or the gradient norm is NaN/Inf: the step is
+        skipped, counted and its first bad parameter named; max_bad_steps in a row stop the run."""
+        if bool(torch.isfinite(loss + grad_norm)):  # the one host sync per optimizer step
+            self.bad_in_a_row = 0
+            return True
+        self.bad_in_a_row += 1
+        self.skipped += 1
+        bad = next((n for n, p in self.model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()),
+                   None)
+        print0(f"step {step}: loss {loss.item()}, grad norm {grad_norm.item()}"
+               + (f", first non-finite gradient in {bad}" if bad else "") + f"; update skipped ({self.bad_in_a_row} in a row)")
+        if self.bad_in_a_row >= self.cfg.max_bad_steps:
+            raise NonFiniteError(f"{self.bad_in_a_row} optimizer steps in a row had a non-finite loss or gradient: "
+                                 f"lower lr, check the data, or use bfloat16 instead of float16")
+        return False
+
+    def grad_flow(self, step: int, model):
+        """Every grad_log_interval steps (0: never), a row of per-layer gradient norms. Call after unscale_."""
+        if self.cfg.grad_log_interval and step % self.cfg.grad_log_interval == 0:
+            self.write({"step": step, "layer_grad_norms": group_grad_norms(model)}, echo=False)
+
+    def perplexity(self, name: str, loss: float | None) -> dict:
+        """{name: exp(loss)} for a language-model loss; nothing for DPO, whose loss is no cross-entropy."""
+        return {} if loss is None or self.stage == "dpo" else {name: math.exp(min(loss, 700))}
+
+    def write(self, row: dict, echo: bool = True):
         if not self.run.master:
             return
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         if self.wandb is not None:
             self.wandb.log(row, step=row["step"])
-        print0(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+        if echo:
+            print0(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
 
     def log(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor, **extra):
-        """Every log_interval steps (and the last): one row. loss is the mean over the accumulation window
-        and the ranks; .item() here is the loop's only other host sync."""
+        """Call after every optimizer step; every log_interval steps (and the last) it writes a row. loss is the
+        mean over the accumulation window and the ranks; .item() here is the loop's only other host sync."""
+        if self.profiler is not None:
+            self.profiler.step()
         if step % self.cfg.log_interval and step != self.max_steps:
             return
-        now = time.time()
-        seconds = now - self.t_log
         loss_value = loss.item()
+        for phase, start, end in self.phase_events:  # synchronised by .item() above
+            self.phase_s[phase] += start.elapsed_time(end) / 1000
+        now, busy = time.time(), sum(self.phase_s.values()) or 1.0
+        seconds = now - self.t_log
         row = {"step": step, "loss": loss_value, **self.perplexity("ppl", loss_value), "lr": lr,
                "grad_norm": grad_norm.item(), **{k: v.item() if torch.is_tensor(v) else v for k, v in extra.items()},
-               "tokens_per_s": self.tokens * self.run.world_size / seconds,
-               "mfu": self.flops / seconds / self.peak_flops, "mem_gb": peak_memory_gb(self.run.device),
+               "tokens_per_s": self.tokens * self.run.world_size / seconds, "mfu": self.flops / seconds / self.peak_flops,
+               "mem_gb": peak_memory_gb(self.run.device), "skipped_steps": self.skipped,
+               **{f"frac_{p}": s / busy for p, s in self.phase_s.items()},
                "elapsed_s": now - self.t_start, "eta_s": (now - self.t_start) / (step - self.start_step) * (self.max_steps - step)}
         self.write(row)
-        self.t_log, self.log_step, self.tokens, self.flops = now, step, 0, 0
+        self.t_log, self.tokens, self.flops = now, 0, 0
+        self.phase_s, self.phase_events = dict.fromkeys(self.PHASES, 0.0), []
+
+    def _trace_ready(self, profiler):
+        path = os.path.join(self.cfg.out_dir, "trace.json")
+        profiler.export_chrome_trace(path)
+        print0(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        print0(f"profile of 3 steps written to {path} (open it in chrome://tracing or ui.perfetto.dev)")
+        self.profiler = None
 
     def stop_requested(self, step: int) -> bool:
         """A SIGINT/SIGTERM arrived; checked at log steps only, where all ranks agree without an extra sync."""
@@ -490,7 +542,7 @@ class Progress:
         rank's RNG states, config. Every rank must call this (RNG states are gathered); rank 0 writes."""
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scaler": self.scaler.state_dict(), "loader": self.loader.state_dict(), "step": step,
-                 "extras": extras, "stage": self.stage, "config": dataclasses.asdict(self.cfg),
+                 "skipped": self.skipped, "extras": extras, "stage": self.stage, "config": dataclasses.asdict(self.cfg),
                  "model_config": dataclasses.asdict(self.model_cfg), "rng": gather_rng_states(self.run)}
         if self.run.ddp:  # DDP keeps replicas identical; prove it rather than checkpoint one of many
             state["rank_weight_diff"] = rank_weight_diff(self.model, self.run)

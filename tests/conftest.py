@@ -15,7 +15,7 @@ TINY_RUN = ["--device=cpu", "--dtype=float32", "--peak_flops=1e12", "--log_inter
 def demo_dir(tmp_path_factory):
     """A small copy of the demo data set (the generator is seeded, so it is the same every session)."""
     out = tmp_path_factory.mktemp("demo")
-    prepare_demo.main(["--out_dir", str(out), "--sft", "600", "--dpo", "300", "--max_number", "20"])
+    prepare_demo.main(["--out_dir", str(out), "--pretrain_docs", "2000", "--sft", "600", "--dpo", "300"])
     return out
 
 
