@@ -1,0 +1,429 @@
+"""
+One-shot checks to run before a long job: the sanity checks of the debugging notes (spec 003, 001).
+
+    python diagnose.py overfit configs/26m.py --batch_size=4     # can the model memorise one batch?
+    python diagnose.py lr_find configs/26m.py --data_path=data/pretrain_hq.jsonl   # loss vs lr sweep
+    python diagnose.py data --data_path=data/sft_mini_512.jsonl --kind=sft        # lengths, duplicates, loss mask
+    python diagnose.py activations configs/26m.py                # NaN/Inf, dead or huge activations, odd weights
+    python diagnose.py memory configs/26m.py --batch_size=32      # estimated vs measured training memory
+
+Keys: Config below and the model's (ModelConfig in model.py), from a config file and --key=value flags.
+Without data_path, batches are random tokens. PNGs go to out_dir.
+"""
+import ctypes
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+from contextlib import nullcontext
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from data import (BadRecord, Loader, PretrainData, SFTData, encode_chat, encode_pretrain, encode_sft,  # noqa: E402
+                  show_mask, tokenize_file)
+from model import ModelConfig, Transformer  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
+from train_utils import ConfigError, load_config, set_lr, setup  # noqa: E402
+
+
+@dataclasses.dataclass
+class Config:
+    # --- I/O
+    out_dir: str = "out/diagnose"  # lr_find.png, lengths.png
+    # --- data
+    data_path: str | None = None  # None: random tokens (the data command needs a file)
+    kind: str = "pretrain"  # pretrain | sft: how data_path is read
+    tokenizer_path: str | None = None  # None: the tokenizer shipped in tokenizer/
+    max_records: int | None = None  # data: read only the first this many records
+    # --- the checks (model keys: see ModelConfig)
+    batch_size: int = 8
+    steps: int = 100  # overfit: at most this many steps; lr_find: the length of the sweep
+    lr: float = 1e-3  # overfit
+    # --- system
+    device: str = "auto"
+    dtype: str = "auto"  # float16 runs without a loss scaler here: prefer bfloat16 or float32
+    seed: int = 1337
+
+
+# -----------------------------------------------------------------------------
+# overfit one batch, and the learning-rate sweep
+
+def train_step(model, optimizer, X, Y, loss_mask, autocast=nullcontext) -> float:
+    with autocast():
+        _, loss = model(X, Y, loss_mask)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def overfit(model, batch, steps: int = 100, lr: float = 1e-3, shuffle_labels: bool = False,
+            autocast=nullcontext) -> tuple[list[float], bool]:
+    """Train on one fixed batch (X, Y, loss_mask) with AdamW; pass once the loss is below 10% of its first value.
+    A model that cannot memorise one batch has a bug. shuffle_labels permutes the targets afresh every step:
+    a deliberately broken setup, which must fail. Returns (losses, passed); changes the model's weights."""
+    X, Y, loss_mask = batch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        if shuffle_labels:
+            Y = Y.flatten()[torch.randperm(Y.numel(), device=Y.device)].view_as(Y)
+        losses.append(train_step(model, optimizer, X, Y, loss_mask, autocast))
+        if losses[-1] < 0.1 * losses[0]:
+            return losses, True
+    return losses, False
+
+
+def lr_find(model, next_batch, steps: int = 100, lr_min: float = 1e-7, lr_max: float = 1.0,
+            autocast=nullcontext) -> tuple[list[float], list[float], float]:
+    """One AdamW step per lr, lr growing exponentially from lr_min to lr_max, each on next_batch() -> (X, Y, mask);
+    stops early once the loss explodes (> 4 x the best so far). Returns (lrs, losses, suggested lr): the lr of the
+    steepest descent of the smoothed loss. Changes the model's weights."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr_min, weight_decay=0.0)
+    model.train()
+    lrs, losses = [], []
+    for lr in np.geomspace(lr_min, lr_max, steps):
+        set_lr(optimizer, float(lr))
+        lrs.append(float(lr))
+        losses.append(train_step(model, optimizer, *next_batch(), autocast=autocast))
+        if not math.isfinite(losses[-1]) or losses[-1] > 4 * min(losses):
+            break
+    return lrs, losses, suggest_lr(lrs, losses)
+
+
+def smooth(values, width: int = 5) -> np.ndarray:
+    """Centred moving average (no lag: a lagging curve would point at too large an lr), edges padded."""
+    k = min(width, len(values)) // 2 * 2 + 1
+    return np.convolve(np.pad(np.asarray(values, float), k // 2, mode="edge"), np.ones(k) / k, mode="valid")
+
+
+def suggest_lr(lrs: list[float], losses: list[float]) -> float:
+    """The lr where the smoothed loss falls fastest per unit of log(lr), the exploded tail left out."""
+    n = next((i for i in range(1, len(losses)) if not losses[i] <= 4 * min(losses[:i])), len(losses))
+    if n < 3:
+        return lrs[int(np.argmin(losses[:n]))]
+    return lrs[int(np.argmin(np.gradient(smooth(losses[:n]), np.log(lrs[:n]))))]
+
+
+def plot_lr_find(lrs, losses, suggested: float, path: str):
+    finite = [v for v in losses if math.isfinite(v)]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.semilogx(lrs, losses, alpha=0.3, label="loss")
+    ax.semilogx(lrs, smooth(losses), label="smoothed")
+    ax.axvline(suggested, color="C3", ls="--", label=f"steepest descent: {suggested:.2e}")
+    if finite:
+        ax.set_ylim(min(finite) * 0.95, min(max(finite), 2 * finite[0]) * 1.05)  # the explosion off the top
+    ax.set(xlabel="learning rate", ylabel="loss", title="learning-rate sweep")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# -----------------------------------------------------------------------------
+# the data report
+
+def data_report(path: str, tokenizer, kind: str, max_seq_len: int, max_records: int | None = None) -> dict:
+    """Token lengths of whole records (<s> and </s> included), exact duplicates, records longer than one training
+    row (max_seq_len + 1 tokens: inputs plus the shifted target) and, for SFT, the share of the tokens training
+    sees (after its cut to max_seq_len) that carry loss. Unreadable records are counted, not fatal."""
+    lengths, seen, duplicates, bad = [], set(), 0, 0
+    loss_tokens = train_tokens = no_loss = 0
+    sample = None
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if max_records is not None and len(lengths) + bad >= max_records:
+                break
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise BadRecord("not a JSON object")
+                if kind == "pretrain":
+                    (ids,), _ = encode_pretrain(tokenizer, record)
+                    cut, mask, key = ids[: max_seq_len + 1], np.ones(min(len(ids), max_seq_len + 1)), record["text"]
+                else:
+                    ids, _ = encode_chat(tokenizer, record.get("conversations"), record.get("system"))
+                    arrays, _ = encode_sft(tokenizer, record, max_len=max_seq_len + 1)  # what training sees
+                    cut, mask = arrays if arrays is not None else ([], [])  # None: no answer token fits
+                    key = json.dumps([record.get("system"), record["conversations"]], ensure_ascii=False, sort_keys=True)
+            except (json.JSONDecodeError, BadRecord):
+                bad += 1
+                continue
+            digest = hashlib.blake2b(key.encode(), digest_size=16).digest()
+            duplicates += digest in seen
+            seen.add(digest)
+            lengths.append(len(ids))
+            train_tokens += len(cut)
+            loss_tokens += int(np.sum(mask))
+            no_loss += len(cut) == 0
+            if sample is None and len(cut):
+                sample = show_mask(tokenizer, list(cut[:48]), list(mask[:48]))
+    if not lengths:
+        raise BadRecord(f"{path}: no usable {kind} records ({bad} unreadable)")
+    a = np.array(lengths)
+    report = {"records": len(a), "bad_records": bad, "tokens": int(a.sum()), "mean": float(a.mean()),
+              "std": float(a.std()), "p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)),
+              "max": int(a.max()), "duplicates": duplicates, "duplicate_rate": duplicates / len(a),
+              "over_max_seq_len": int((a > max_seq_len + 1).sum()), "lengths": lengths, "sample": sample}
+    if kind == "sft":
+        report |= {"loss_token_fraction": loss_tokens / max(train_tokens, 1), "no_loss_records": no_loss}
+    return report
+
+
+def print_data_report(r: dict, kind: str, max_seq_len: int):
+    print(f"{r['records']:,} records ({r['bad_records']} unreadable), {r['tokens']:,} tokens; length mean "
+          f"{r['mean']:.1f}, std {r['std']:.1f}, p50 {r['p50']:.0f}, p95 {r['p95']:.0f}, max {r['max']}")
+    if r["std"] > r["mean"]:
+        print("✗ lengths vary more than their mean: consider bucketing, or cutting the longest")
+    print(f"exact duplicates: {r['duplicates']:,} ({r['duplicate_rate']:.2%})"
+          + ("  ✗ over 1%: deduplicate" if r["duplicate_rate"] > 0.01 else ""))
+    fate = "training cuts them, earliest turns first" if kind == "sft" else "they span several windows"
+    print(f"longer than max_seq_len + 1 = {max_seq_len + 1} tokens: {r['over_max_seq_len']:,} ({fate})")
+    if kind == "sft":
+        print(f"tokens carrying loss (after the cut): {r['loss_token_fraction']:.1%}; conversations with none "
+              f"(training skips them): {r['no_loss_records']:,}")
+    print(f"the first record, token by token (✓ carries loss):\n{r['sample']}")
+
+
+def plot_lengths(lengths: list[int], max_seq_len: int, path: str):
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.hist(lengths, bins=50)
+    ax.axvline(np.mean(lengths), color="C1", ls="--", label=f"mean {np.mean(lengths):.0f}")
+    ax.axvline(max_seq_len + 1, color="C3", label=f"max_seq_len + 1 = {max_seq_len + 1}")
+    ax.set(xlabel="tokens per record", ylabel="records", title="length distribution")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# -----------------------------------------------------------------------------
+# activations and weights
+
+@torch.no_grad()
+def check_activations(model, batch, max_abs: float = 1e4) -> list[tuple[str, str]]:
+    """One forward of batch (X, Y, loss_mask) with a hook on every module: (module name, problem) for outputs with
+    NaN/Inf, all zeros or |x| > max_abs, in the order the modules finished (so the first is where a NaN starts);
+    then weights that are not finite or, for matrices, have a std outside [1e-5, 10] (norm gains start constant)."""
+    issues = []
+
+    def hook(name):
+        def check(module, inputs, output):
+            for t in output if isinstance(output, tuple) else (output,):
+                if not (torch.is_tensor(t) and t.is_floating_point() and t.numel()):
+                    continue
+                if not torch.isfinite(t).all():
+                    issues.append((name, f"output has {int(t.isnan().sum())} NaN, {int(t.isinf().sum())} Inf"))
+                elif not t.any():
+                    issues.append((name, "output is all zeros (dead)"))
+                elif t.abs().max() > max_abs:
+                    issues.append((name, f"output max |x| {t.abs().max().item():.3g} > {max_abs:g}"))
+        return check
+
+    handles = [m.register_forward_hook(hook(name or "model")) for name, m in model.named_modules()]
+    was_training = model.training
+    try:
+        model.eval()
+        model(*batch)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    for name, p in model.named_parameters():
+        if not torch.isfinite(p).all():
+            issues.append((name, "weight is not finite"))
+        elif p.dim() >= 2 and not 1e-5 <= p.float().std().item() <= 10:
+            issues.append((name, f"weight std {p.float().std().item():.3g} outside [1e-5, 10]"))
+    return issues
+
+
+# -----------------------------------------------------------------------------
+# memory
+
+def estimate_memory(model_cfg: ModelConfig, batch_size: int, dtype: str) -> dict[str, int]:
+    """Bytes of training. Weights, gradients and AdamW's two moments as in the notes (001: gradients = weights,
+    Adam = 2 x weights), all float32: autocast keeps float32 weights. Activations: what autograd saves per token,
+    counted from model.py (the notes' B * T * params * 0.001 rule of thumb ignores the architecture)."""
+    with torch.device("meta"):  # shapes only, no memory
+        n_params = Transformer(model_cfg).num_params()
+    c, T, tokens = model_cfg, model_cfg.max_seq_len, batch_size * model_cfg.max_seq_len
+    kv_dim, w = c.n_kv_heads * (c.dim // c.n_heads), 2 if dtype in ("bfloat16", "float16") else 4
+    # float32: each RMSNorm keeps x, rsqrt and x * rsqrt (2 dim + 1); the loss keeps the log-softmax
+    fp32 = (2 * c.n_layers + 1) * (2 * c.dim + 1) + c.vocab_size
+    # compute dtype: each norm's output as a matmul input (autocast casts it once per matmul: wq, wk, wv; w1, w3;
+    # the head); attention's q, k, v, output and wo input; SwiGLU's w1 and w3 outputs, silu(w1 x), their product
+    low = (5 * c.n_layers + 1 if w == 2 else 2 * c.n_layers + 1) * c.dim
+    low += c.n_layers * (3 * c.dim + 2 * kv_dim + 4 * c.ffn_dim)
+    if c.flash:
+        fp32 += c.n_layers * c.n_heads  # one logsumexp per head
+    else:  # the math path keeps (H, T) float32 probabilities and k, v repeated to all H heads
+        fp32 += c.n_layers * c.n_heads * T
+        low += c.n_layers * 2 * (c.dim - kv_dim)
+    activations = tokens * (4 * fp32 + w * low) + (w * n_params if w == 2 else 0)  # + autocast's weight copies
+    # the step's peak: backward starts with every activation alive plus two float32 (B, T, vocab) gradients of
+    # the logits; the weight gradients grow while activations are freed
+    peak = activations + 8 * tokens * c.vocab_size + 4 * n_params
+    return {"n_params": n_params, "weights": 4 * n_params, "gradients": 4 * n_params, "adamw": 8 * n_params,
+            "activations": activations, "peak": peak}
+
+
+def rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def reset_peak(device) -> int | None:
+    """Start measuring a peak; returns the memory in use now (None: this system cannot measure a CPU peak)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc: return freed heap to the OS, or its reuse hides the peak
+        with open("/proc/self/clear_refs", "w") as f:  # Linux: reset the peak resident set (VmHWM) to the current
+            f.write("5")
+        return rss_bytes("VmRSS")
+    except (OSError, AttributeError):
+        return None
+
+
+def measure_memory(model, batch, autocast=nullcontext) -> dict[str, int | None]:
+    """Two AdamW steps on batch (X, Y, loss_mask); the second is measured as a long run sees it (the moments
+    exist): bytes of weights, gradients, moments, of the tensors autograd saves for backward (distinct storages,
+    weights excluded), and the peak above the memory in use before it (CUDA: max_memory_allocated; CPU: the
+    resident set, Linux only)."""
+    X, Y, loss_mask = batch
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    train_step(model, optimizer, X, Y, loss_mask, autocast)  # allocates the moments
+    optimizer.zero_grad(set_to_none=True)
+    before = reset_peak(X.device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
+        _, loss = model(X, Y, loss_mask)
+    loss.backward()
+    optimizer.step()
+    if X.device.type == "cuda":
+        torch.cuda.synchronize(X.device)
+        peak = torch.cuda.max_memory_allocated(X.device) - before
+    else:
+        peak = rss_bytes("VmHWM") - before if before is not None else None
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    return {"weights": nbytes(model.parameters()), "gradients": nbytes(p.grad for p in model.parameters()),
+            "adamw": nbytes(v for state in optimizer.state.values() for v in state.values() if v.dim() > 0),
+            "activations": sum(saved.values()), "peak": peak}
+
+
+def print_memory(est: dict, measured: dict):
+    gib = lambda b: "" if b is None else f"{b / 2**30:10.3f} GiB"  # noqa: E731
+    total = lambda m: None if m["peak"] is None else m["weights"] + m["adamw"] + m["peak"]  # noqa: E731
+    print(f"{est['n_params']:,} parameters\n{'':40s}{'estimate':>14s}{'measured':>14s}")
+    for label, key in [("weights (float32)", "weights"), ("gradients (float32)", "gradients"),
+                       ("AdamW moments (2 x float32)", "adamw"), ("activations saved for backward", "activations"),
+                       ("step peak above weights + moments", "peak")]:
+        print(f"{label:40s}{gib(est[key]):>14s}{gib(measured[key]):>14s}")
+    print(f"{'total':40s}{gib(total(est)):>14s}{gib(total(measured)):>14s}")
+    print("step peak = activations + gradients + the logits' two float32 gradients (batch x seq x vocab each); "
+          "measured, it also holds other temporaries and allocator slack")
+
+
+# -----------------------------------------------------------------------------
+
+def batches(cfg: Config, model_cfg: ModelConfig, device):
+    """next_batch() -> (X, Y, loss_mask) of batch_size x max_seq_len: from data_path, or random tokens."""
+    T = model_cfg.max_seq_len
+    if cfg.data_path is None:
+        g = torch.Generator().manual_seed(cfg.seed)
+
+        def random_batch():
+            ids = torch.randint(0, model_cfg.vocab_size, (cfg.batch_size, T + 1), generator=g).to(device)
+            return ids[:, :-1], ids[:, 1:], torch.ones(cfg.batch_size, T, device=device)
+        return random_batch
+    tokenizer = load_tokenizer(cfg.tokenizer_path)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but vocab_size is {model_cfg.vocab_size}")
+    if cfg.kind == "pretrain":
+        dataset = PretrainData(tokenize_file(cfg.data_path, tokenizer, "pretrain"), T)
+    else:  # train_sft.py's options, so both share one token cache
+        dataset = SFTData(tokenize_file(cfg.data_path, tokenizer, "sft", skip_bad=False, max_len=T + 1))
+    loader = Loader(dataset, cfg.batch_size, tokenizer.pad_id, device=device, seed=cfg.seed)
+    return lambda: loader.next_batch()[:3]
+
+
+OVERFIT_CHECKLIST = """A model that cannot memorise one batch has a bug. Check:
+  - the loss function: masked mean cross-entropy over the positions that carry loss
+  - the labels: Y is X shifted left by one; the loss mask is not all zero
+  - the forward pass: causal attention mask, residual connections, norms
+  - the learning rate: try --lr=1e-3 .. 1e-2 and more --steps"""
+
+
+def main(argv: list[str]):
+    commands = ("overfit", "lr_find", "data", "activations", "memory")
+    if not argv or argv[0] not in commands:
+        raise SystemExit(f"usage: python diagnose.py {{{'|'.join(commands)}}} [config file] [--key=value ...]")
+    command, argv = argv[0], argv[1:]
+    cfg, model_cfg = load_config(argv, Config, ModelConfig)
+    if cfg.kind not in ("pretrain", "sft"):
+        raise ConfigError(f"config key 'kind' must be pretrain or sft, got {cfg.kind!r}")
+    run = setup(cfg.device, cfg.dtype, cfg.seed)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    if command == "data":
+        if cfg.data_path is None:
+            raise ConfigError("the data command needs --data_path")
+        report = data_report(cfg.data_path, load_tokenizer(cfg.tokenizer_path), cfg.kind, model_cfg.max_seq_len,
+                             cfg.max_records)
+        print_data_report(report, cfg.kind, model_cfg.max_seq_len)
+        plot_lengths(report["lengths"], model_cfg.max_seq_len, path := os.path.join(cfg.out_dir, "lengths.png"))
+        print(f"wrote {path}")
+        return
+    next_batch = batches(cfg, model_cfg, run.device)
+    model = Transformer(model_cfg).to(run.device)
+    print(f"{model.num_params():,} parameters; batches of {cfg.batch_size} x {model_cfg.max_seq_len} "
+          f"{'random tokens' if cfg.data_path is None else 'from ' + cfg.data_path}, {run.dtype} on {run.device}")
+    if command == "overfit":
+        losses, passed = overfit(model, next_batch(), cfg.steps, cfg.lr, autocast=run.autocast)
+        print("loss: " + " ".join(f"{v:.3f}" for v in losses[:: max(1, len(losses) // 20)]) + f" ... {losses[-1]:.3f}")
+        if passed:
+            print(f"✓ pass: the loss fell below 10% of its start ({losses[0]:.3f} -> {losses[-1]:.3f}) in {len(losses)} steps")
+        else:
+            print(f"✗ fail: after {len(losses)} steps the loss is {losses[-1]:.3f}, not below 10% of {losses[0]:.3f}.\n"
+                  + OVERFIT_CHECKLIST)
+    elif command == "lr_find":
+        if cfg.data_path is None:
+            print("note: random tokens have nothing to learn; pass --data_path for a meaningful sweep")
+        lrs, losses, suggested = lr_find(model, next_batch, cfg.steps, autocast=run.autocast)
+        stop = f"stopped early at lr {lrs[-1]:.2e}: the loss exploded" if len(losses) < cfg.steps else "the full sweep"
+        print(f"{len(losses)} steps, {stop}\nsuggested lr {suggested:.2e} (steepest descent of the smoothed loss); "
+              f"try {suggested / 10:.2e} .. {suggested * 2:.2e}")
+        plot_lr_find(lrs, losses, suggested, path := os.path.join(cfg.out_dir, "lr_find.png"))
+        print(f"wrote {path}")
+    elif command == "activations":
+        issues = check_activations(model, next_batch())
+        for name, problem in issues:
+            print(f"✗ {name}: {problem}")
+        print(f"{len(issues)} problems; the first activation listed is where it starts" if issues
+              else "✓ activations and weights look fine")
+    elif command == "memory":
+        measured = measure_memory(model, next_batch(), run.autocast)
+        print_memory(estimate_memory(model_cfg, cfg.batch_size, run.dtype), measured)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,142 @@
+import json
+import math
+
+import matplotlib.image
+import pytest
+import torch
+
+import diagnose
+from model import ModelConfig, Transformer
+from tokenizer import load_tokenizer
+
+TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, max_seq_len=32)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second intra-op thread, and on a busy 2-core machine its synchronisation
+    made these tests 100x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig(**TINY | overrides))
+
+
+def random_batch(batch_size=4, seed=0):
+    ids = torch.randint(0, TINY["vocab_size"], (batch_size, TINY["max_seq_len"] + 1),
+                        generator=torch.Generator().manual_seed(seed))
+    return ids[:, :-1], ids[:, 1:], torch.ones(batch_size, TINY["max_seq_len"])
+
+
+# --- overfit and lr_find ------------------------------------------------------------------------
+
+def test_overfit_memorises_one_batch_but_not_labels_shuffled_every_step():
+    losses, passed = diagnose.overfit(tiny_model(), random_batch(), steps=60, lr=1e-2)
+    assert passed and losses[-1] < 0.1 * losses[0] and len(losses) < 60  # stops once it passes (~25 steps)
+    losses, passed = diagnose.overfit(tiny_model(), random_batch(), steps=60, lr=1e-2, shuffle_labels=True)
+    assert not passed and len(losses) == 60 and min(losses) > 0.5 * losses[0]
+
+
+def test_lr_find_sweeps_up_then_stops_when_the_loss_explodes():
+    batch = random_batch()
+    lrs, losses, suggested = diagnose.lr_find(tiny_model(), lambda: batch, steps=100)
+    assert len(lrs) == len(losses) < 100  # stopped before lr reached 1
+    assert lrs[0] == pytest.approx(1e-7) and all(b > a for a, b in zip(lrs, lrs[1:]))
+    assert not losses[-1] <= 4 * min(losses[:-1])  # the stop was an explosion
+    assert all(v <= 4 * min(losses[: i + 1]) for i, v in enumerate(losses[:-1]))  # and not earlier
+    assert 1e-7 <= suggested < lrs[-1]
+    # the suggestion sits where the loss falls: the loss a few steps later is clearly lower
+    i = lrs.index(suggested)
+    assert losses[min(i + 5, len(losses) - 2)] < losses[max(i - 5, 0)]
+
+
+def test_suggest_lr_picks_the_steepest_descent():
+    lrs = [10 ** (-7 + 7 * i / 99) for i in range(100)]
+    losses = [5 - 4 / (1 + math.exp(-(i - 60) / 3)) for i in range(100)]  # falls fastest at step 60
+    assert diagnose.suggest_lr(lrs, losses) == pytest.approx(lrs[60])
+    assert diagnose.suggest_lr(lrs[:70] + [1e-1], losses[:70] + [float("nan")]) == pytest.approx(lrs[60])
+
+
+# --- data report --------------------------------------------------------------------------------
+
+def test_data_report_counts_duplicates_long_documents_and_bad_lines(tmp_path):
+    tok = load_tokenizer()
+    short = ["hello world", "你好，世界", "one two three", "the cat sat"]
+    long = [" ".join(["word"] * 100), " ".join(["猫"] * 100)]
+    lines = [json.dumps({"text": t}, ensure_ascii=False) for t in short + [short[0], short[0]] + long]
+    lines += ["{not json", "", json.dumps({"title": "no text field"})]
+    path = tmp_path / "pretrain.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    r = diagnose.data_report(str(path), tok, "pretrain", max_seq_len=32)
+    assert (r["records"], r["duplicates"], r["bad_records"], r["over_max_seq_len"]) == (8, 2, 2, 2)
+    assert r["duplicate_rate"] == pytest.approx(2 / 8)
+    assert r["lengths"][0] == len(tok.encode("hello world")) + 2  # <s> ... </s>
+    assert r["max"] == max(len(tok.encode(t)) + 2 for t in long) > 33
+    assert r["p50"] <= r["p95"] <= r["max"] and "✓" in r["sample"]
+
+
+def test_data_report_for_sft_counts_loss_tokens_and_conversations_without_any(tmp_path):
+    tok = load_tokenizer()
+
+    def chat(user, answer):
+        return {"conversations": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+
+    records = [chat("1+1?", "2"), chat("hi", "hello"), chat("2+2?", "4"), chat("1+1?", "2"),
+               chat(" ".join(["long"] * 100), "cut off")]  # the prompt alone fills max_seq_len
+    lines = [json.dumps(r) for r in records] + [json.dumps({"conversations": [{"role": "user", "content": "x"}]})]
+    path = tmp_path / "sft.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    r = diagnose.data_report(str(path), tok, "sft", max_seq_len=32)
+    assert (r["records"], r["duplicates"], r["bad_records"], r["over_max_seq_len"], r["no_loss_records"]) == (5, 1, 1, 1, 1)
+    assert 0 < r["loss_token_fraction"] < 0.5  # answers are short next to the template and prompts
+    assert "✗" in r["sample"] and "✓" in r["sample"]
+
+
+# --- activations --------------------------------------------------------------------------------
+
+def test_activations_healthy_model_has_no_issues():
+    assert diagnose.check_activations(tiny_model(), random_batch()) == []
+
+
+@pytest.mark.parametrize("layer, bad, weight_issue", [
+    ("layers.1.attention.wq", float("nan"), "not finite"),
+    ("layers.0.feed_forward.w2", 1e8, "std"),
+])
+def test_activations_name_the_layer_with_an_injected_bad_weight(layer, bad, weight_issue):
+    model = tiny_model()
+    with torch.no_grad():
+        model.get_submodule(layer).weight[0, 0] = bad
+    issues = diagnose.check_activations(model, random_batch())
+    assert issues[0][0] == layer  # the first bad output is where the problem starts, not downstream
+    assert any(name == f"{layer}.weight" and weight_issue in problem for name, problem in issues)
+    assert not any(name.startswith("layers.0.attention") for name, _ in issues)  # upstream stays clean
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_memory_estimate_matches_what_autograd_saves(flash):
+    model = tiny_model(flash=flash)
+    measured = diagnose.measure_memory(model, random_batch(batch_size=4))
+    est = diagnose.estimate_memory(model.config, batch_size=4, dtype="float32")
+    assert est["n_params"] == model.num_params()
+    assert (est["weights"], est["gradients"], est["adamw"]) == (measured["weights"], measured["gradients"], measured["adamw"])
+    assert measured["activations"] == pytest.approx(est["activations"], rel=0.1)
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+def test_command_line_reads_a_config_file_and_flags(tmp_path, capsys):
+    config = tmp_path / "tiny.py"
+    config.write_text("".join(f"{k} = {v}\n" for k, v in TINY.items()))
+    common = [str(config), "--device=cpu", "--dtype=float32", f"--out_dir={tmp_path}"]
+    diagnose.main(["overfit", *common, "--batch_size=4", "--lr=1e-2", "--steps=60"])
+    assert "✓ pass" in capsys.readouterr().out
+    diagnose.main(["lr_find", *common, "--batch_size=2", "--steps=30"])
+    assert "suggested lr" in capsys.readouterr().out
+    assert matplotlib.image.imread(tmp_path / "lr_find.png").shape[:2] == (400, 700)
