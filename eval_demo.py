@@ -1,11 +1,14 @@
 """
 Evaluate checkpoints on the demo's held-out questions (prepare_demo.py writes them to eval.jsonl), side by side.
 
-    python eval_demo.py out/demo/pretrain/best.pt out/demo/sft/best.pt
+    python eval_demo.py out/demo/pretrain/best.pt out/demo/sft/best.pt out/demo/dpo/best.pt \
+        --dpo_pairs data/demo/dpo_eval.jsonl --reference out/demo/sft/best.pt
 
 For each checkpoint: greedy answers to every question in the chat template, then exact-match accuracy (the
 answer equals the expected sentence) and the rate of answers in the language the question was asked in,
-overall and per kind of question.
+overall and per kind of question. With --dpo_pairs: on held-out preference pairs, the reward accuracy against
+the reference (DPO's reward margin > 0) and how often the model itself gives the chosen answer the higher
+log-probability per token.
 """
 import argparse
 import json
@@ -14,8 +17,9 @@ from collections import defaultdict
 
 import torch
 
-from data import encode_chat, load_tokenizer
+from data import DPOData, Loader, encode_chat, load_tokenizer, tokenize_file
 from sample import load_model
+from train_dpo import sequence_logprobs
 
 HAN = re.compile(r"[\u4e00-\u9fff]")
 
@@ -55,22 +59,47 @@ def score(items: list[dict], answers: list[str]) -> dict[str, tuple[float, float
     return {k: (sum(h[0] for h in v) / len(v), sum(h[1] for h in v) / len(v), len(v)) for k, v in groups.items()}
 
 
+@torch.no_grad()
+def pair_logprobs(model, data: DPOData, pad_id: int, length_norm: bool) -> torch.Tensor:
+    """Log-prob of the chosen and the rejected answer of every pair, (n_pairs, 2)."""
+    table = torch.zeros(len(data), 2)
+    for X, Y, M, idx in Loader(data, 64, pad_id).batches(10**12):
+        table[idx] = torch.stack(sequence_logprobs(model.eval(), X, Y, M, length_norm).chunk(2), dim=1)
+    return table
+
+
+def preference(policy: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """(reward accuracy: margin (pi_c - ref_c) - (pi_r - ref_r) > 0, own preference: pi_c > pi_r)."""
+    margin = (policy[:, 0] - reference[:, 0]) - (policy[:, 1] - reference[:, 1])
+    return (margin > 0).float().mean().item(), (policy[:, 0] > policy[:, 1]).float().mean().item()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ckpts", nargs="+", help="checkpoints to compare")
     p.add_argument("--data", default="data/demo/eval.jsonl")
     p.add_argument("--tokenizer_path")
     p.add_argument("--show", type=int, default=3, help="print this many example answers per checkpoint")
+    p.add_argument("--dpo_pairs", help="held-out preference pairs (JSONL) to score")
+    p.add_argument("--reference", help="the reference model of --dpo_pairs' reward accuracy (the SFT model)")
+    p.add_argument("--length_norm", type=lambda s: s.lower() == "true", default=False,
+                   help="per-token mean log-probs for the pairs (as DPO's length_norm); default: sums")
     args = p.parse_args(argv)
 
     tokenizer = load_tokenizer(args.tokenizer_path)
     with open(args.data, encoding="utf-8") as f:
         items = [json.loads(line) for line in f]
-    results = {}
+    pairs = DPOData(tokenize_file(args.dpo_pairs, tokenizer, "dpo", verbose=False)) if args.dpo_pairs else None
+    if pairs is not None and args.reference:
+        reference = pair_logprobs(load_model(args.reference)[0], pairs, tokenizer.pad_id, args.length_norm)
+    results, preferences = {}, {}
     for path in args.ckpts:
-        model, _ = load_model(path)
+        model, config = load_model(path)
         answers = answer_all(model, tokenizer, [it["question"] for it in items])
         results[path] = score(items, answers)
+        if pairs is not None:
+            own = pair_logprobs(model, pairs, tokenizer.pad_id, args.length_norm)
+            preferences[path] = preference(own, reference if args.reference else own)
         for item, answer in list(zip(items, answers))[: args.show]:
             print(f"{path}: {item['question']!r} -> {answer!r} (expected {item['answer']!r})")
     kinds = sorted({k for r in results.values() for k in r}, key=lambda k: (k == "all", k))
@@ -78,7 +107,11 @@ def main(argv=None):
     for path, r in results.items():
         print(f"{path:<36}" + "".join(f"{r[k][0]:>11.1%} /{r[k][1]:>7.1%}  " for k in kinds))
     print(f"({len(items)} held-out questions: " + ", ".join(f"{r[k][2]} {k}" for k in kinds if k != "all") + ")")
-    return results
+    if preferences:
+        print(f"\n{'checkpoint':<36}{'reward acc vs reference':>26}{'prefers chosen':>18}   ({len(pairs)} held-out pairs)")
+        for path, (reward_acc, own) in preferences.items():
+            print(f"{path:<36}{reward_acc:>26.1%}{own:>18.1%}")
+    return results, preferences
 
 
 if __name__ == "__main__":

@@ -88,8 +88,7 @@ def main(argv: list[str]):
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type)
     scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")  # float16 only
     progress = Progress("pretrain", cfg, model_cfg, run, model, optimizer, scaler, loader, max_steps)
-    state = progress.resume(resume_from)
-    step, best_val_loss = state["step"], state.get("best_val_loss", float("inf"))
+    step = progress.resume(resume_from)
     raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving and evaluation
 
     def val_metrics() -> dict[str, float]:
@@ -121,18 +120,14 @@ def main(argv: list[str]):
         step += 1
 
         progress.log(step, loss, lr, grad_norm)
-        if step % cfg.eval_interval == 0 or step == max_steps:
-            v = progress.evaluate(step, val_metrics)["val_loss"]
-            if v < best_val_loss:
-                best_val_loss = v
-                progress.save(step, {"best_val_loss": best_val_loss}, best=True)
         stopping = progress.stop_requested(step)
+        if step % cfg.eval_interval == 0 or step == max_steps:
+            progress.validate(step, val_metrics)  # logs; saves best.pt on a new best
         if step % cfg.save_interval == 0 or step == max_steps or stopping:
-            progress.save(step, {"best_val_loss": best_val_loss})
+            progress.save(step)
         if stopping:
-            print0(f"stopped at step {step}; continue with --resume=True")
             break
-    print0(f"done: step {step}, best val_loss {best_val_loss:.4f}, checkpoints in {cfg.out_dir}")
+    print0(f"done: step {step}, best val_loss {progress.best_val_loss:.4f}, checkpoints in {cfg.out_dir}")
     teardown(run)
 
 

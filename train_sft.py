@@ -32,6 +32,7 @@ class Config:
     flash: bool = True
     grad_checkpoint: bool = False
     dropout: float = 0.0
+    freeze_embeddings: bool = False  # keep the (tied) token embedding as pretrained: see configs/demo_sft.py
     # --- training length
     batch_size: int = 32  # per rank; batches pad to their longest conversation
     accum_steps: int = 1
@@ -93,12 +94,12 @@ def main(argv: list[str]):
     model = Transformer(model_cfg).to(run.device)
     load_model_state(model, init["model"], cfg.init_from)  # strict: every key, every shape
     del init
+    model.tok_embeddings.weight.requires_grad_(not cfg.freeze_embeddings)
     seed_rank(cfg.seed, run)
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type)
     scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")
     progress = Progress("sft", cfg, model_cfg, run, model, optimizer, scaler, loader, max_steps)
-    state = progress.resume(resume_from)
-    step, best_val_loss, stale_evals = state["step"], state.get("best_val_loss", float("inf")), state.get("stale_evals", 0)
+    step = progress.resume(resume_from)
     raw_model, model = model, wrap(model, cfg, run)
     def val_metrics() -> dict[str, float]:
         return {"val_loss": validation_loss(raw_model, val_loader, cfg.eval_steps, run)}
@@ -134,21 +135,13 @@ def main(argv: list[str]):
         progress.log(step, loss, lr, grad_norm)
         stopping = progress.stop_requested(step)
         if step % cfg.eval_interval == 0 or step % steps_per_epoch == 0 or step == max_steps:
-            v = progress.evaluate(step, val_metrics)["val_loss"]
-            improved = v < best_val_loss - cfg.early_stopping_threshold
-            stale_evals = 0 if improved else stale_evals + 1
-            if v < best_val_loss:
-                best_val_loss = v
-                progress.save(step, {"best_val_loss": best_val_loss, "stale_evals": stale_evals}, best=True)
-            if stale_evals >= cfg.early_stopping_patience:
-                print0(f"early stopping: {stale_evals} evaluations without an improvement of "
-                       f"{cfg.early_stopping_threshold}; best val_loss {best_val_loss:.4f}")
-                stopping = True
+            stopping |= progress.validate(step, val_metrics, cfg.early_stopping_patience,
+                                          cfg.early_stopping_threshold)  # logs; best.pt; early stopping
         if step % cfg.save_interval == 0 or step == max_steps or stopping:
-            progress.save(step, {"best_val_loss": best_val_loss, "stale_evals": stale_evals})
+            progress.save(step)
         if stopping:
             break
-    print0(f"done: step {step}, best val_loss {best_val_loss:.4f}, checkpoints in {cfg.out_dir}")
+    print0(f"done: step {step}, best val_loss {progress.best_val_loss:.4f}, checkpoints in {cfg.out_dir}")
     teardown(run)
 
 

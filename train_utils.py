@@ -402,6 +402,7 @@ class Progress:
         self.phase_s = dict.fromkeys(self.PHASES, 0.0)
         self.phase_events: list = []  # CUDA: (phase, start, end) events, read at the log line
         self.bad_in_a_row = self.skipped = 0
+        self.best_val_loss, self.stale_evals = float("inf"), 0
         self.profiler = None
         if cfg.profile and run.master:  # 2 steps to settle, then 3 recorded
             self.profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=1, warmup=1, active=3),
@@ -409,9 +410,9 @@ class Progress:
             self.profiler.start()
         self.wandb = None
 
-    def resume(self, path: str | None) -> dict:
+    def resume(self, path: str | None) -> int:
         """Load the checkpoint at path (if any) into model, optimizer, scaler, loader and the RNGs; open the
-        metrics log (dropping rows past the checkpoint: they were written after it). Returns its extras."""
+        metrics log (dropping rows past the checkpoint: they were written after it). Returns the step."""
         state = {"step": 0}
         if path:
             state = load_checkpoint(path)
@@ -420,7 +421,7 @@ class Progress:
             self.scaler.load_state_dict(state["scaler"])
             self.loader.load_state_dict(state["loader"])
             set_rng_state(state["rng"][self.run.rank])
-            self.skipped = state["skipped"]
+            self.skipped, self.best_val_loss, self.stale_evals = state["skipped"], state["best_val_loss"], state["stale_evals"]
             print0(f"resumed from {path} at step {state['step']}")
         if self.run.master:
             kept = []
@@ -437,7 +438,7 @@ class Progress:
                                         config=dataclasses.asdict(self.cfg))
         self.t_start = self.t_log = time.time()
         self.start_step = state["step"]
-        return state.get("extras", {}) | {"step": state["step"]}
+        return state["step"]
 
     @contextmanager
     def time(self, phase: str):
@@ -526,7 +527,10 @@ class Progress:
 
     def stop_requested(self, step: int) -> bool:
         """A SIGINT/SIGTERM arrived; checked at log steps only, where all ranks agree without an extra sync."""
-        return (step % self.cfg.log_interval == 0 or step == self.max_steps) and self.stop.requested(self.run)
+        if (step % self.cfg.log_interval == 0 or step == self.max_steps) and self.stop.requested(self.run):
+            print0(f"stopped at step {step}; continue with --resume=True")
+            return True
+        return False
 
     def evaluate(self, step: int, metrics_fn) -> dict[str, float]:
         """Run metrics_fn() -> {name: value} and log it as an evaluation row (with val_ppl beside val_loss).
@@ -537,12 +541,27 @@ class Progress:
         self.t_log += time.time() - t0
         return metrics
 
-    def save(self, step: int, extras: dict, best: bool = False):
+    def validate(self, step: int, metrics_fn, patience: int | None = None, threshold: float = 0.0) -> bool:
+        """Evaluate; save best.pt on a new lowest val_loss. With a patience: True (stop) once `patience`
+        evaluations in a row have not improved on the best by more than threshold."""
+        v = self.evaluate(step, metrics_fn)["val_loss"]
+        self.stale_evals = 0 if v < self.best_val_loss - threshold else self.stale_evals + 1
+        if v < self.best_val_loss:
+            self.best_val_loss = v
+            self.save(step, best=True)
+        if patience is not None and self.stale_evals >= patience:
+            print0(f"early stopping: {self.stale_evals} evaluations without an improvement of {threshold}; "
+                   f"best val_loss {self.best_val_loss:.4f}")
+            return True
+        return False
+
+    def save(self, step: int, best: bool = False):
         """Checkpoint everything a resume needs: full-precision weights, optimizer, scaler, data position, every
         rank's RNG states, config. Every rank must call this (RNG states are gathered); rank 0 writes."""
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scaler": self.scaler.state_dict(), "loader": self.loader.state_dict(), "step": step,
-                 "skipped": self.skipped, "extras": extras, "stage": self.stage, "config": dataclasses.asdict(self.cfg),
+                 "skipped": self.skipped, "best_val_loss": self.best_val_loss, "stale_evals": self.stale_evals,
+                 "stage": self.stage, "config": dataclasses.asdict(self.cfg),
                  "model_config": dataclasses.asdict(self.model_cfg), "rng": gather_rng_states(self.run)}
         if self.run.ddp:  # DDP keeps replicas identical; prove it rather than checkpoint one of many
             state["rank_weight_diff"] = rank_weight_diff(self.model, self.run)

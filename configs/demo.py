@@ -10,13 +10,13 @@ n_kv_heads = 2
 max_seq_len = 128
 # optimisation: a small model on a small corpus takes a large learning rate
 batch_size = 32
-max_steps = 300
+max_steps = 650
 lr = 3e-3
 min_lr = 3e-4
 warmup_steps = 30
 weight_decay = 0.1
-log_interval = 20
-eval_interval = 100
+log_interval = 50
+eval_interval = 325
 eval_steps = 10
 save_interval = 1000
 keep_checkpoints = 1

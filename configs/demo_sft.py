@@ -5,10 +5,14 @@ data_path = "data/demo/sft.jsonl"
 val_fraction = 0.05
 max_seq_len = 128
 batch_size = 32
-max_steps = 200
+max_steps = 300
 # 1e-3, not the 2e-5 of the 26M recipe: a 1.6M-parameter model on a narrow task moves little at 2e-5
 lr = 1e-3
 min_lr = 1e-4
+# The held-out questions name countries no conversation mentions. Trained, the tied embedding learns to make
+# the 83 names SFT sees likelier than the 20 it does not, and the model answers about the wrong country
+# (measured: 0% on held-out countries trained, ~70% frozen).
+freeze_embeddings = True
 warmup_ratio = 0.05
 log_interval = 20
 eval_interval = 50

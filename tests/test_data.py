@@ -76,8 +76,9 @@ def test_too_long_drops_earliest_turns_and_keeps_the_system_prompt(tok):
     ids, mask = encode_chat(tok, CONVERSATION, max_len=len(full) - 1)
     assert ids == last_turn and tok.decode(ids).startswith("<s>[INST] <<SYS>>\nYou are terse.")
     # a single turn that cannot fit is cut at the end; its answer loses the closing </s>
-    ids, mask = encode_chat(tok, CONVERSATION[:3], max_len=len(last_turn) - 3)
-    assert len(ids) == len(last_turn) - 3 and ids[-1] != tok.eos_id and mask[-1] == 1
+    one_turn, one_mask = encode_chat(tok, CONVERSATION[:3])
+    ids, mask = encode_chat(tok, CONVERSATION[:3], max_len=len(one_turn) - 3)
+    assert (ids, mask) == (one_turn[:-3], one_mask[:-3]) and ids[-1] != tok.eos_id and mask[-1] == 1
 
 
 @pytest.mark.parametrize("messages, reason", [

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The whole pipeline on the synthetic demo data, on a CPU: data -> pretrain -> SFT -> DPO -> evaluation.
+# Starts fresh in out/demo/ each time.
+set -euo pipefail
+cd "$(dirname "$0")"
+python prepare_demo.py
+rm -rf out/demo
+python train_pretrain.py configs/demo.py
+python train_sft.py configs/demo_sft.py
+python train_dpo.py configs/demo_dpo.py
+python eval_demo.py out/demo/pretrain/best.pt out/demo/sft/best.pt out/demo/dpo/best.pt \
+    --dpo_pairs data/demo/dpo_eval.jsonl --reference out/demo/sft/best.pt
