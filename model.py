@@ -276,8 +276,9 @@ class Transformer(nn.Module):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        # the fused kernel is one launch for all parameters on CUDA; elsewhere the foreach default
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True if device_type == "cuda" else None)
+        # fused: one kernel for all parameters (on the CPU too: ~4x faster than foreach for 26m here), and it
+        # can skip a whole update on the device (train_utils.Progress.skip_nonfinite)
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type in ("cuda", "cpu"))
 
 
 def sample_next(logits, history, temperature: float, top_k: int | None, top_p: float | None,

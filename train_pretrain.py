@@ -113,9 +113,9 @@ def main(argv: list[str]):
             scaler.unscale_(optimizer)  # clip the true gradients, not the float16-scaled ones
             progress.grad_flow(step + 1, raw_model)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
-            if progress.finite(step + 1, loss, grad_norm) or scaler.is_enabled():  # float16: the scaler skips inf
-                scaler.step(optimizer)
-                scaler.update()
+            progress.skip_nonfinite(optimizer, scaler, loss, grad_norm)  # a NaN/Inf step changes nothing
+            scaler.step(optimizer)
+            scaler.update()
             optimizer.zero_grad(set_to_none=True)
         step += 1
 

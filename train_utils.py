@@ -401,7 +401,11 @@ class Progress:
         self.tokens = self.flops = 0  # this rank's, since the last log line
         self.phase_s = dict.fromkeys(self.PHASES, 0.0)
         self.phase_events: list = []  # CUDA: (phase, start, end) events, read at the log line
-        self.bad_in_a_row = self.skipped = 0
+        # non-finite steps, counted on the device (no sync); reported at log lines
+        self.skipped = torch.zeros((), dtype=torch.long, device=run.device)
+        self.bad_in_a_row = torch.zeros((), dtype=torch.long, device=run.device)
+        self.first_bad = torch.full((), -1, dtype=torch.long, device=run.device)  # index into the parameters
+        self.reported_skips = 0
         self.best_val_loss, self.stale_evals = float("inf"), 0
         self.profiler = None
         if cfg.profile and run.master:  # 2 steps to settle, then 3 recorded
@@ -421,7 +425,8 @@ class Progress:
             self.scaler.load_state_dict(state["scaler"])
             self.loader.load_state_dict(state["loader"])
             set_rng_state(state["rng"][self.run.rank])
-            self.skipped, self.best_val_loss, self.stale_evals = state["skipped"], state["best_val_loss"], state["stale_evals"]
+            self.skipped.fill_(state["skipped"])
+            self.reported_skips, self.best_val_loss, self.stale_evals = state["skipped"], state["best_val_loss"], state["stale_evals"]
             print0(f"resumed from {path} at step {state['step']}")
         if self.run.master:
             kept = []
@@ -460,22 +465,33 @@ class Progress:
         self.tokens += X.numel()
         self.flops += self.model.flops_per_token(X.size(1)) * X.numel()
 
-    def finite(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """May this optimizer step be taken? Not when the loss or the gradient norm is NaN/Inf: the step is
-        skipped, counted and its first bad parameter named; max_bad_steps in a row stop the run."""
-        if bool(torch.isfinite(loss + grad_norm)):  # the one host sync per optimizer step
-            self.bad_in_a_row = 0
-            return True
-        self.bad_in_a_row += 1
-        self.skipped += 1
-        bad = next((n for n, p in self.model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()),
-                   None)
-        print0(f"step {step}: loss {loss.item()}, grad norm {grad_norm.item()}"
-               + (f", first non-finite gradient in {bad}" if bad else "") + f"; update skipped ({self.bad_in_a_row} in a row)")
-        if self.bad_in_a_row >= self.cfg.max_bad_steps:
-            raise NonFiniteError(f"{self.bad_in_a_row} optimizer steps in a row had a non-finite loss or gradient: "
+    def skip_nonfinite(self, optimizer, scaler, loss: torch.Tensor, grad_norm: torch.Tensor):
+        """Call before scaler.step(optimizer): if the loss or the gradient norm is NaN/Inf, this update is skipped
+        on the device, without a host sync. Fused AdamW skips the whole update (moments and step count too) when
+        optimizer.found_inf is 1 -- the mechanism GradScaler uses, and uses itself for float16. The skips, and the
+        first parameter with a non-finite gradient, are reported (and max_bad_steps enforced) at the next log."""
+        bad = ~torch.isfinite(loss + grad_norm)
+        if not scaler.is_enabled():
+            optimizer.found_inf = bad.float()
+        self.skipped += bad
+        self.bad_in_a_row = (self.bad_in_a_row + 1) * bad
+        # every trainable parameter has a gradient here, so this indexes the trainable parameters in order
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        first = (~torch.stack(torch._foreach_norm(grads)).isfinite()).int().argmax()
+        self.first_bad = torch.where(bad & (self.first_bad < 0), first, self.first_bad)
+
+    def check_skips(self, step: int, loss: float, grad_norm: float):
+        """At a log line: report the steps skipped since the last one; stop after max_bad_steps in a row."""
+        skipped, in_a_row, first = int(self.skipped), int(self.bad_in_a_row), int(self.first_bad)
+        if skipped > self.reported_skips:
+            names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+            where = f"; first non-finite gradient in {names[first]}" if 0 <= first < len(names) else ""
+            print0(f"step {step}: {skipped - self.reported_skips} update(s) skipped for a non-finite loss or gradient "
+                   f"norm (now loss {loss}, grad norm {grad_norm}){where}; {in_a_row} in a row")
+            self.reported_skips, self.first_bad = skipped, torch.full_like(self.first_bad, -1)
+        if in_a_row >= self.cfg.max_bad_steps:
+            raise NonFiniteError(f"{in_a_row} optimizer steps in a row had a non-finite loss or gradient: "
                                  f"lower lr, check the data, or use bfloat16 instead of float16")
-        return False
 
     def grad_flow(self, step: int, model):
         """Every grad_log_interval steps (0: never), a row of per-layer gradient norms. Call after unscale_."""
@@ -498,20 +514,21 @@ class Progress:
 
     def log(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor, **extra):
         """Call after every optimizer step; every log_interval steps (and the last) it writes a row. loss is the
-        mean over the accumulation window and the ranks; .item() here is the loop's only other host sync."""
+        mean over the accumulation window and the ranks. The .item()s here are the loop's only host syncs."""
         if self.profiler is not None:
             self.profiler.step()
         if step % self.cfg.log_interval and step != self.max_steps:
             return
-        loss_value = loss.item()
+        loss_value, grad_norm_value = loss.item(), grad_norm.item()
+        self.check_skips(step, loss_value, grad_norm_value)
         for phase, start, end in self.phase_events:  # synchronised by .item() above
             self.phase_s[phase] += start.elapsed_time(end) / 1000
         now, busy = time.time(), sum(self.phase_s.values()) or 1.0
         seconds = now - self.t_log
         row = {"step": step, "loss": loss_value, **self.perplexity("ppl", loss_value), "lr": lr,
-               "grad_norm": grad_norm.item(), **{k: v.item() if torch.is_tensor(v) else v for k, v in extra.items()},
+               "grad_norm": grad_norm_value, **{k: v.item() if torch.is_tensor(v) else v for k, v in extra.items()},
                "tokens_per_s": self.tokens * self.run.world_size / seconds, "mfu": self.flops / seconds / self.peak_flops,
-               "mem_gb": peak_memory_gb(self.run.device), "skipped_steps": self.skipped,
+               "mem_gb": peak_memory_gb(self.run.device), "skipped_steps": self.reported_skips,
                **{f"frac_{p}": s / busy for p, s in self.phase_s.items()},
                "elapsed_s": now - self.t_start, "eta_s": (now - self.t_start) / (step - self.start_step) * (self.max_steps - step)}
         self.write(row)
@@ -560,7 +577,7 @@ class Progress:
         rank's RNG states, config. Every rank must call this (RNG states are gathered); rank 0 writes."""
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scaler": self.scaler.state_dict(), "loader": self.loader.state_dict(), "step": step,
-                 "skipped": self.skipped, "best_val_loss": self.best_val_loss, "stale_evals": self.stale_evals,
+                 "skipped": int(self.skipped), "best_val_loss": self.best_val_loss, "stale_evals": self.stale_evals,
                  "stage": self.stage, "config": dataclasses.asdict(self.cfg),
                  "model_config": dataclasses.asdict(self.model_cfg), "rng": gather_rng_states(self.run)}
         if self.run.ddp:  # DDP keeps replicas identical; prove it rather than checkpoint one of many
