@@ -14,16 +14,14 @@ import sys
 import torch
 
 from data import encode_chat, load_tokenizer
-from model import ModelConfig, Transformer
-from train_utils import load_checkpoint, load_model_state
+from model import Transformer
+from train_utils import model_from_checkpoint
 
 
 def load_model(path: str, device: str = "cpu") -> tuple[Transformer, dict]:
     """An eval-mode model from a checkpoint, and the checkpoint's config (which says its stage)."""
-    state = load_checkpoint(path)
-    model = Transformer(ModelConfig(**state["model_config"]))
-    load_model_state(model, state["model"], path)
-    return model.to(device).eval(), state["config"] | {"stage": state["stage"]}
+    model, state = model_from_checkpoint(path, device)
+    return model.eval(), state["config"] | {"stage": state["stage"]}
 
 
 def prompt_ids(tokenizer, history: list[dict], user: str, system: str | None, max_len: int, chat: bool) -> list[int]:

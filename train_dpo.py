@@ -19,9 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from data import DPOData, Loader, file_digest, load_split, load_tokenizer
-from model import ModelConfig, Transformer
-from train_utils import (ConfigError, Progress, all_reduce_mean, evaluate, get_lr, load_checkpoint, load_config,
-                         load_model_state, print0, seed_rank, set_lr, setup, start, teardown, wrap)
+from train_utils import (ConfigError, Progress, all_reduce_mean, evaluate, get_lr, load_config, model_from_checkpoint,
+                         print0, seed_rank, set_lr, setup, start, teardown, wrap)
 
 
 @dataclasses.dataclass
@@ -104,12 +103,9 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
-def load_frozen(path: str, device) -> Transformer:
+def load_frozen(path: str, device):
     """The reference model: eval mode, no gradients, so the optimizer never sees it."""
-    state = load_checkpoint(path)
-    model = Transformer(ModelConfig(**state["model_config"]))
-    load_model_state(model, state["model"], path)
-    return model.to(device).eval().requires_grad_(False)
+    return model_from_checkpoint(path, device)[0].eval().requires_grad_(False)
 
 
 @torch.no_grad()
@@ -141,9 +137,10 @@ def reference_logprobs(ref_path: str, cfg, loaders: list[Loader], run) -> list[t
 def main(argv: list[str]):
     (cfg,) = load_config(argv, Config)
     run = setup(cfg.device, cfg.dtype, cfg.seed)
-    init = load_checkpoint(cfg.init_from)
-    model_cfg = ModelConfig(**{**init["model_config"], "flash": cfg.flash, "grad_checkpoint": cfg.grad_checkpoint,
-                               "dropout": cfg.dropout})
+    # the SFT model (strictly: every key, every shape), with this run's switches
+    model, _ = model_from_checkpoint(cfg.init_from, run.device, flash=cfg.flash, grad_checkpoint=cfg.grad_checkpoint,
+                                     dropout=cfg.dropout)
+    model_cfg = model.config
     if cfg.max_prompt_length + cfg.max_completion_length > model_cfg.max_seq_len + 1:
         raise ConfigError(f"max_prompt_length + max_completion_length = "
                           f"{cfg.max_prompt_length + cfg.max_completion_length} exceeds the model's "
@@ -164,9 +161,6 @@ def main(argv: list[str]):
     print0(f"{len(train_records):,} training and {len(val_records):,} validation pairs; "
            f"{steps_per_epoch:,} steps per epoch, at most {max_steps:,} steps")
 
-    model = Transformer(model_cfg).to(run.device)
-    load_model_state(model, init["model"], cfg.init_from)
-    del init
     ref_path = cfg.ref_from or cfg.init_from
     if cfg.precompute_ref:  # half the forward passes, and no second model in memory while training
         with run.rank0_first():

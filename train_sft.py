@@ -10,9 +10,8 @@ from contextlib import nullcontext
 import torch
 
 from data import Loader, SFTData, load_split, load_tokenizer
-from model import ModelConfig, Transformer
-from train_utils import (ConfigError, Progress, all_reduce_mean, get_lr, load_checkpoint, load_config,
-                         load_model_state, print0, seed_rank, set_lr, setup, start, teardown, validation_loss, wrap)
+from train_utils import (ConfigError, Progress, all_reduce_mean, get_lr, load_config, model_from_checkpoint, print0,
+                         seed_rank, set_lr, setup, start, teardown, validation_loss, wrap)
 
 
 @dataclasses.dataclass
@@ -71,9 +70,10 @@ class Config:
 def main(argv: list[str]):
     (cfg,) = load_config(argv, Config)
     run = setup(cfg.device, cfg.dtype, cfg.seed)
-    init = load_checkpoint(cfg.init_from)
-    model_cfg = ModelConfig(**{**init["model_config"], "flash": cfg.flash, "grad_checkpoint": cfg.grad_checkpoint,
-                               "dropout": cfg.dropout})
+    # the pretrained model (strictly: every key, every shape), with this run's switches
+    model, _ = model_from_checkpoint(cfg.init_from, run.device, flash=cfg.flash, grad_checkpoint=cfg.grad_checkpoint,
+                                     dropout=cfg.dropout)
+    model_cfg = model.config
     if cfg.max_seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"max_seq_len {cfg.max_seq_len} exceeds the model's {model_cfg.max_seq_len} ({cfg.init_from})")
     resume_from = start(cfg, model_cfg, run)
@@ -91,9 +91,6 @@ def main(argv: list[str]):
     print0(f"{len(train_records):,} training and {len(val_records):,} validation conversations; "
            f"{steps_per_epoch:,} steps per epoch, at most {max_steps:,} steps")
 
-    model = Transformer(model_cfg).to(run.device)
-    load_model_state(model, init["model"], cfg.init_from)  # strict: every key, every shape
-    del init
     model.tok_embeddings.weight.requires_grad_(not cfg.freeze_embeddings)
     seed_rank(cfg.seed, run)
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type)

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from model import ModelConfig, Transformer
+
 
 # -----------------------------------------------------------------------------
 # configuration: dataclass defaults <- config file <- --key=value flags
@@ -160,6 +162,7 @@ def seed_rank(seed: int, run: Run):
 
 def teardown(run: Run):
     if run.ddp and dist.is_initialized():
+        dist.barrier()  # leave together: a rank that tears down while another still talks to it can abort (gloo)
         dist.destroy_process_group()
 
 
@@ -284,6 +287,15 @@ def load_model_state(model, state_dict: dict, source: str):
 
 # -----------------------------------------------------------------------------
 # signals: finish the current step, save, exit
+
+def model_from_checkpoint(path: str, device="cpu", **overrides):
+    """(Transformer with the checkpoint's architecture -- model_config updated by overrides such as flash or
+    dropout -- and its weights, loaded strictly; the checkpoint itself)."""
+    state = load_checkpoint(path)
+    model = Transformer(ModelConfig(**{**state["model_config"], **overrides}))
+    load_model_state(model, state["model"], path)
+    return model.to(device), state
+
 
 class StopSignal:
     """SIGINT/SIGTERM set a flag; the loop checks it between optimizer steps, saves and exits."""

@@ -11,6 +11,7 @@ import sample
 import train_sft
 from conftest import TINY_RUN, final_weights, read_metrics, train_losses
 from data import BadRecord, collate, encode_chat
+from model import ModelConfig, Transformer
 from tokenizer import load_tokenizer
 
 
@@ -29,7 +30,7 @@ def test_sft_lowers_the_validation_loss_of_the_pretrained_model(tiny_pretrained,
 
 def test_the_loss_ignores_user_and_system_targets():
     tok = load_tokenizer()
-    model = sample.Transformer(sample.ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128))
+    model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128))
     ids, mask = encode_chat(tok, [{"role": "user", "content": "What is 2 + 3?"},
                                   {"role": "assistant", "content": "2 + 3 = 5."}], system="Be brief.")
     X, Y, M, = collate([(torch.tensor(ids).numpy(), torch.tensor(mask).numpy())], tok.pad_id)
