@@ -1,10 +1,11 @@
 """
 Write the synthetic bilingual demo data set: small, seeded, and checkable.
 
-Its world is capital cities and continents of 100 countries and the sums of two numbers, stated in English and
-Chinese. Pretraining text states every fact (held-out ones included) in several phrasings; SFT conversations
-and DPO pairs ask about all but the held-out facts; eval.jsonl asks about the held-out ones, so a model can
-only answer them by combining what pretraining taught (the fact) with what SFT taught (the answer format).
+Its world is the capital cities and continents of 103 countries and the sums of two numbers below 20, in
+English and Chinese. Pretraining text states every fact (held-out ones included) many times: as sentences in
+paragraphs about one country, as runs of sums, and as FAQ-style questions with their answers. SFT conversations
+and DPO pairs never mention the held-out countries and sums; eval.jsonl asks about them. So the evaluation
+measures whether SFT taught the model to answer in the chat template with what pretraining knew.
 
     python prepare_demo.py            # -> data/demo/{pretrain,sft,dpo,dpo_eval,eval}.jsonl
 
@@ -168,16 +169,38 @@ def sum_paragraph(rng, lang: str, max_number: int) -> list[str]:
     return [template.format(a=a, b=b, s=a + b) for a, b in pairs]
 
 
+def faq_paragraph(rng, lang: str, max_number: int) -> list[str]:
+    """1-3 questions with their answers, as a web page's FAQ would have them: about any country or sum, held-out
+    ones included. SFT then only has to teach the chat template around what pretraining already knows."""
+    items = []
+    for _ in range(rng.randint(1, 3)):
+        kind = rng.random()
+        if kind < 0.35:
+            q, a = capital_qa(rng.choice(COUNTRIES), lang, rng)
+        elif kind < 0.7:
+            q, a = continent_qa(rng.choice(COUNTRIES), lang, rng)
+        else:
+            q, a = sum_qa(rng.randrange(max_number), rng.randrange(max_number), lang, rng)
+        items.append(f"Q: {q} A: {a}" if lang == "en" else f"问：{q}答：{a}")
+    return items
+
+
 def documents(n: int, max_number: int, rng) -> list[str]:
-    """n short documents in one language each, made of 2-4 paragraphs about a country or about sums. Every
-    fact, held-out ones included, appears many times, each time among different neighbours, so a model learns
-    the facts rather than the documents."""
+    """n short documents in one language each, made of 2-4 paragraphs: facts about a country, a few sums, or
+    questions and answers. Every fact, held-out ones included, appears many times, each time among different
+    neighbours, so a model learns the facts rather than the documents."""
     docs = []
     for _ in range(n):
         lang = rng.choice(["en", "zh"])
         sentences = []
         for _ in range(rng.randint(2, 4)):
-            sentences += country_paragraph(rng, lang) if rng.random() < 0.4 else sum_paragraph(rng, lang, max_number)
+            kind = rng.random()
+            if kind < 0.3:
+                sentences += country_paragraph(rng, lang)
+            elif kind < 0.55:
+                sentences += faq_paragraph(rng, lang, max_number)
+            else:
+                sentences += sum_paragraph(rng, lang, max_number)
         sentences = [sentence(t) for t in sentences] if lang == "en" else sentences
         docs.append((" " if lang == "en" else "").join(sentences))
     return docs

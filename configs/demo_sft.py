@@ -10,8 +10,8 @@ max_steps = 300
 lr = 1e-3
 min_lr = 1e-4
 # The held-out questions name countries no conversation mentions. Trained, the tied embedding learns to make
-# the 83 names SFT sees likelier than the 20 it does not, and the model answers about the wrong country
-# (measured: 0% on held-out countries trained, ~70% frozen).
+# the 83 names SFT sees likelier than the 20 it does not, and the model answers about the wrong country.
+# Measured on the held-out capital / continent questions: 0% / 0% with it trained, 90% / 97.5% frozen.
 freeze_embeddings = True
 warmup_ratio = 0.05
 log_interval = 20
