@@ -7,16 +7,18 @@ val_fraction = 0.05
 max_prompt_length = 64
 max_completion_length = 64
 precompute_ref = True  # the reference's log-probs once, then one model in memory and half the forward passes
-beta = 1.0  # not the spec's 0.5: measured here, held-out reward accuracy 92.5% vs 90.5%, the same answers
+# beta 2 and lr 3e-5, not the spec's 0.5 and 5e-6: a 1.6M-parameter model barely moves at 5e-6. Measured on the
+# held-out pairs / questions: 95.0% / 96.7% here; 94.5% / 95.8% at lr 2e-5; 93.5% / 90.0% at lr 5e-5, beta 1
+# (higher rates buy reward accuracy with wrong answers); 89.5% / 96.7% at beta 1, lr 2e-5, 100 steps
+beta = 2.0
 # sum, not mean, of the answer's log-probs: chosen and rejected answers here share most of their tokens, and
 # under the per-token mean DPO gains margin by making those shared tokens less likely
 length_norm = False
 freeze_embeddings = True  # as in configs/demo_sft.py
 batch_size = 32
-max_steps = 100
-# 2e-5, not the 5e-6 of the 26M recipe: a 1.6M-parameter model barely moves at 5e-6
-lr = 2e-5
-min_lr = 2e-6
+epochs = 2  # 178 steps
+lr = 3e-5
+min_lr = 3e-6
 warmup_steps = 10
 log_interval = 10
 eval_interval = 50

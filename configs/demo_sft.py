@@ -5,10 +5,11 @@ data_path = "data/demo/sft.jsonl"
 val_fraction = 0.05
 max_seq_len = 128
 batch_size = 32
-max_steps = 300
-# 1e-3, not the 2e-5 of the 26M recipe: a 1.6M-parameter model on a narrow task moves little at 2e-5
-lr = 1e-3
-min_lr = 1e-4
+max_steps = 150  # 0.65 epoch: enough for the template; more only wears away what pretraining taught
+# 3e-4, not the 2e-5 of the 26M recipe: a 1.6M-parameter model moves little at 2e-5. Measured on the held-out
+# questions: 96.7% at 3e-4 for 150 steps, 95.8% for 300 steps, 86.7% at 1e-3 for 300 steps (wrong capitals).
+lr = 3e-4
+min_lr = 3e-5
 # The held-out questions name countries no conversation mentions. Trained, the tied embedding learns to make
 # the 83 names SFT sees likelier than the 20 it does not, and the model answers about the wrong country.
 # Measured on the held-out capital / continent questions: 0% / 0% with it trained, 90% / 97.5% frozen.
