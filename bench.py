@@ -1,0 +1,316 @@
+"""
+Measured speed of every stage, through the real code: tokens/s, ms/step, MFU, peak memory and where a step's
+time goes for train_pretrain.py, train_sft.py and train_dpo.py (each run as it is, on synthetic data); KV-cache
+decoding against recomputation; tokenisation and batching throughput.
+
+    python bench.py configs/26m.py --mode=train --batch_size=8 --variants "dtype=float32" "dtype=bfloat16"
+    python bench.py configs/26m.py --mode=sft --batch_size=8
+    python bench.py configs/26m.py --mode=dpo --batch_size=4      # on-the-fly vs precomputed reference
+    python bench.py configs/26m.py --mode=generate                 # batch 1 and 8, 256 new tokens
+    python bench.py configs/26m.py --mode=data --batch_size=8
+
+Bench's own keys are those of Bench below; every other --key=value goes to the training script (sft/dpo: model
+keys shape the random-init checkpoint they start from; generate/data: model, batch_size, device, dtype). A
+variant is a space-separated list of key=value overrides on top of those; each runs in a fresh subprocess, so
+its peak memory (CUDA max allocated, or peak RSS on the CPU) is its own. The script logs a metrics row every
+`steps` steps: the first warms up, the second is the measurement. MFU is against the measured matmul peak of
+the run's dtype. other_load is how many cores other processes kept busy meanwhile (from /proc/stat): on a
+small machine anything but ~0 distorts the figures. The last line of output is one JSON object with every figure.
+"""
+import dataclasses
+import json
+import os
+import platform
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import prepare_demo
+import train_dpo
+import train_pretrain
+import train_sft
+from data import Loader, PretrainData, load_tokenizer, tokenize_file
+from model import ModelConfig, Transformer
+from train_utils import ConfigError, load_config, measure_peak_flops, read_config_file, setup
+
+
+@dataclasses.dataclass
+class Bench:
+    # --- what to measure
+    mode: str = "train"  # train | sft | dpo | generate | data
+    steps: int = 3  # optimizer steps per metrics row: steps 1..N warm up, N+1..2N are measured
+    peak_repeats: int = 3  # measure_peak_flops runs per dtype, best one counts (unless --peak_flops is given)
+    # --- generate
+    prompt_tokens: int = 64
+    new_tokens: int = 256
+    # --- data
+    data_mb: float = 20.0  # size of the synthetic file to tokenise when no --data_path is given
+
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = {"train": train_pretrain, "sft": train_sft, "dpo": train_dpo}
+DEFAULT_VARIANTS = {"dpo": ["precompute_ref=False", "precompute_ref=True"]}
+GENERATE_BATCH_SIZES = (1, 8)
+NEVER = 10**9  # an eval/save interval the run never reaches: it evaluates (1 batch) and saves only at the end
+
+
+def key(flag: str) -> str:
+    return flag[2:].split("=", 1)[0]
+
+
+def keys(*schemas) -> set[str]:
+    return {f.name for schema in schemas for f in dataclasses.fields(schema)}
+
+
+def parse_args(argv: list[str]) -> tuple[Bench, list[str], list[str]]:
+    """`[config_file] [--key=value ...] [--variants "k=v k=v" ...]` -> (bench settings, the run's flags with
+    the config file's settings first, the variants)."""
+    argv = list(argv)
+    flags = []
+    if argv and not argv[0].startswith("--"):
+        flags = [f"--{k}={v!r}" for k, v in read_config_file(argv.pop(0)).items()]  # parse_flag_value reads repr
+    variants = []
+    if "--variants" in argv:
+        i = end = argv.index("--variants")
+        while end + 1 < len(argv) and not argv[end + 1].startswith("--"):
+            end += 1
+        variants, argv = argv[i + 1 : end + 1], argv[:i] + argv[end + 1 :]
+    (bench,) = load_config([a for a in argv if key(a) in keys(Bench)], Bench)
+    if bench.mode not in (*SCRIPTS, "generate", "data"):
+        raise ConfigError(f"mode must be train, sft, dpo, generate or data, got {bench.mode!r}")
+    flags += [a for a in argv if key(a) not in keys(Bench)]
+    return bench, flags, variants or DEFAULT_VARIANTS.get(bench.mode, [""])
+
+
+def resolve(mode: str, flags: list[str]):
+    """(script config, model config) the flags give; an unknown key is an error that names it."""
+    if mode not in ("sft", "dpo"):
+        return load_config(flags, train_pretrain.Config, ModelConfig)
+    schema = SCRIPTS[mode].Config
+    unknown = {key(f) for f in flags} - keys(schema, ModelConfig)
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {sorted(unknown)} for train_{mode}.py or ModelConfig")
+    return (load_config([f for f in flags if key(f) in keys(schema)], schema)[0],
+            load_config([f for f in flags if key(f) in keys(ModelConfig)], ModelConfig)[0])
+
+
+class Synthetic:
+    """Demo-style bilingual text (prepare_demo.py) as pretraining documents, conversations and DPO pairs of
+    random lengths up to a limit in tokens, written as the JSONL the scripts read."""
+
+    def __init__(self, tokenizer, seed: int = 1337):
+        self.tok, self.rng = tokenizer, random.Random(seed)
+        self.ids = tokenizer.encode(" ".join(prepare_demo.documents(2000, 20, self.rng)))
+
+    def text(self, n_tokens: int) -> str:
+        start = self.rng.randrange(len(self.ids) - n_tokens)
+        return self.tok.decode(self.ids[start : start + n_tokens]).strip() or "…"
+
+    def documents(self, n_tokens: int) -> list[dict]:
+        docs, total = [], 0
+        while total < n_tokens:
+            docs += [{"text": d} for d in prepare_demo.documents(200, 20, self.rng)]
+            total += sum(len(self.tok.encode(d["text"])) + 2 for d in docs[-200:])  # + <s> </s>
+        return docs
+
+    def conversation(self, max_tokens: int) -> dict:
+        turns = self.rng.randint(1, 3)
+        per_message = max(8, self.rng.randint(max_tokens // 4, max_tokens) // (2 * turns) - 6)  # - template
+        return {"conversations": [{"role": role, "content": self.text(per_message)}
+                                  for _ in range(turns) for role in ("user", "assistant")]}
+
+    def pair(self, max_prompt: int, max_completion: int) -> dict:
+        lengths = [self.rng.randint(8, max(8, limit - 8)) for limit in (max_prompt, max_completion, max_completion)]
+        return dict(zip(("prompt", "chosen", "rejected"), map(self.text, lengths)))
+
+    def stage_data(self, mode: str, cfg, model_cfg, n_items: int) -> list[dict]:
+        """n_items training windows / conversations / pairs of the stage's maximum length."""
+        if mode == "train":
+            return self.documents(n_items * model_cfg.max_seq_len + model_cfg.max_seq_len)
+        if mode == "sft":
+            return [self.conversation(cfg.max_seq_len + 1) for _ in range(n_items)]
+        return [self.pair(cfg.max_prompt_length, cfg.max_completion_length) for _ in range(n_items)]
+
+
+def run_stage(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
+    """One variant of train/sft/dpo: synthetic data (and a random-init checkpoint to start from), the script
+    as a subprocess, then its two metrics rows -> the measured figures."""
+    mode, given = bench.mode, {key(f) for f in flags}
+    if mode == "dpo":  # the script's 256 + 256 fit max_seq_len 512 only; split any other length alike
+        limit = (resolve(mode, flags)[1].max_seq_len + 1) // 2
+        flags = [f"--{k}={limit}" for k in ("max_prompt_length", "max_completion_length") if k not in given] + flags
+    cfg, model_cfg = resolve(mode, flags)
+    run = setup(cfg.device, cfg.dtype, cfg.seed)
+    peak = cfg.peak_flops or peak_of(run.device, run.dtype)
+    n_items = (2 * bench.steps + 1) * cfg.batch_size * cfg.accum_steps  # no epoch ends (and evaluates) in the run
+    script = SCRIPTS[mode]
+    args = [f for f in flags if key(f) in keys(script.Config)] if mode != "train" else flags
+    if "data_path" not in given:
+        for split, n in (("train", n_items), ("val", cfg.batch_size)):
+            prepare_demo.write_jsonl(f"{tmp}/{split}.jsonl", synth.stage_data(mode, cfg, model_cfg, n))
+        args += [f"--data_path={tmp}/train.jsonl", f"--val_data_path={tmp}/val.jsonl"]
+    if mode != "train" and "init_from" not in given:  # random weights train as fast as pretrained ones
+        torch.save({"model": Transformer(model_cfg).state_dict(), "model_config": dataclasses.asdict(model_cfg)},
+                   f"{tmp}/init.pt")
+        args.append(f"--init_from={tmp}/init.pt")
+    n = bench.steps
+    args += [f"--out_dir={tmp}/out", f"--max_steps={2 * n}", f"--log_interval={n}", f"--eval_interval={NEVER}",
+             "--eval_steps=1", f"--save_interval={NEVER}", "--keep_checkpoints=1", f"--peak_flops={peak!r}"]
+    with open(f"{tmp}/log.txt", "w") as log:
+        done = subprocess.run([sys.executable, script.__file__, *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode:
+        with open(f"{tmp}/log.txt") as log:
+            raise RuntimeError(f"{os.path.basename(script.__file__)} {' '.join(args)} failed:\n"
+                               + "".join(log.readlines()[-30:]))
+    with open(f"{tmp}/out/metrics.jsonl") as f:
+        warm, measured = [row for row in map(json.loads, f) if "tokens_per_s" in row][:2]
+    seconds = measured["elapsed_s"] - warm["elapsed_s"]  # == the row's own interval: nothing else ran in it
+    return [{"tokens_per_s": measured["tokens_per_s"], "ms_per_step": 1000 * seconds / n,
+             "tokens_per_step": measured["tokens_per_s"] * seconds / n, "mfu": measured["mfu"],
+             "mem_gb": measured["mem_gb"], **{k: v for k, v in measured.items() if k.startswith("frac_")},
+             "dtype": run.dtype, "peak_flops": peak}]
+
+
+def timed_generation(model, prompt, new_tokens: int, use_cache: bool, run) -> tuple[float, float]:
+    """(prefill seconds: the prompt's forward and the first token, decode seconds: the other new_tokens - 1)."""
+    stream = model.stream(prompt, new_tokens, temperature=0.0, use_cache=use_cache)
+    with run.autocast():
+        t0 = time.perf_counter()
+        next(stream)
+        t1 = time.perf_counter()
+        for _ in stream:
+            pass
+        if run.device.type == "cuda":
+            torch.cuda.synchronize(run.device)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def run_generate(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
+    """Prefill and decode tokens/s of a random-init model with the KV cache and with recomputation."""
+    cfg, model_cfg = resolve("generate", flags)
+    run = setup(cfg.device, cfg.dtype, cfg.seed)
+    model = Transformer(model_cfg).to(run.device).eval()
+    rows = []
+    for B in GENERATE_BATCH_SIZES:
+        prompt = torch.randint(model_cfg.vocab_size, (B, bench.prompt_tokens), device=run.device)
+        timed_generation(model, prompt, 8, True, run)  # warm-up: first-call allocations and kernel choices
+        prefill, cached = timed_generation(model, prompt, bench.new_tokens, True, run)
+        prefill_again, recomputed = timed_generation(model, prompt, bench.new_tokens, False, run)
+        decoded = B * (bench.new_tokens - 1)
+        rows.append({"batch_size": B, "prefill_tokens_per_s": B * bench.prompt_tokens / min(prefill, prefill_again),
+                     "decode_tokens_per_s_cache": decoded / cached, "decode_tokens_per_s_recompute": decoded / recomputed,
+                     "cache_speedup": recomputed / cached, "dtype": run.dtype})
+    return rows
+
+
+def run_data(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
+    """Tokenisation MB/s of data.tokenize_file with 1 and 2 processes, and Loader.next_batch() calls per second."""
+    cfg, model_cfg = resolve("data", flags)
+    tokenizer = load_tokenizer(cfg.tokenizer_path)
+    if "data_path" in {key(f) for f in flags}:  # a link in tmp: the cache is written beside it, not the file
+        path = os.path.join(tmp, os.path.basename(cfg.data_path))
+        os.symlink(os.path.abspath(cfg.data_path), path)
+    else:
+        path = f"{tmp}/tokenise.jsonl"
+        with open(path, "w", encoding="utf-8") as f:
+            while f.tell() < bench.data_mb * 1e6:
+                f.writelines(json.dumps({"text": d}, ensure_ascii=False) + "\n"
+                             for d in prepare_demo.documents(5000, 20, synth.rng))
+    size_mb, row = os.path.getsize(path) / 1e6, {}
+    for processes in (1, 2):
+        if os.path.exists(f"{path}.pretrain.cache"):
+            os.remove(f"{path}.pretrain.cache")
+        t0 = time.perf_counter()
+        records = tokenize_file(path, tokenizer, "pretrain", processes=processes, verbose=False)
+        row[f"tokenise_mb_per_s_{processes}proc"] = size_mb / (time.perf_counter() - t0)
+    loader = Loader(PretrainData(records, model_cfg.max_seq_len), cfg.batch_size, tokenizer.pad_id,
+                    setup(cfg.device, cfg.dtype, cfg.seed).device)
+    n, t0 = 0, time.perf_counter()
+    while n < 10 or time.perf_counter() - t0 < 2.0:
+        loader.next_batch()
+        n += 1
+    batches_per_s = n / (time.perf_counter() - t0)
+    return [{"file_mb": size_mb, **row, "loader_batches_per_s": batches_per_s,
+             "loader_tokens_per_s": batches_per_s * cfg.batch_size * model_cfg.max_seq_len}]
+
+
+RUNNERS = {"train": run_stage, "sft": run_stage, "dpo": run_stage, "generate": run_generate, "data": run_data}
+STAGE_COLUMNS = {"tokens_per_s": "{:.0f}", "ms_per_step": "{:.0f}", "mfu": "{:.2%}", "mem_gb": "{:.2f}",
+                 "frac_data": "{:.1%}", "frac_forward": "{:.1%}", "frac_backward": "{:.1%}", "frac_optimizer": "{:.1%}",
+                 "other_load": "{:.2f}"}
+COLUMNS = {"train": STAGE_COLUMNS, "sft": STAGE_COLUMNS, "dpo": STAGE_COLUMNS,
+           "generate": {"batch_size": "{}", "prefill_tokens_per_s": "{:.0f}", "decode_tokens_per_s_cache": "{:.1f}",
+                        "decode_tokens_per_s_recompute": "{:.1f}", "cache_speedup": "{:.1f}x",
+                        "other_load": "{:.2f}"},
+           "data": {"file_mb": "{:.1f}", "tokenise_mb_per_s_1proc": "{:.2f}", "tokenise_mb_per_s_2proc": "{:.2f}",
+                    "loader_batches_per_s": "{:.0f}", "loader_tokens_per_s": "{:.3g}",
+                    "other_load": "{:.2f}"}}
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(CPU seconds every process on the machine has used since boot, those of bench and its children): the
+    difference over a run is what other processes took from it."""
+    if not os.path.exists("/proc/stat"):  # not Linux: unknown
+        return float("nan"), 0.0
+    with open("/proc/stat") as f:  # cpu  user nice system idle iowait irq softirq steal ...
+        user, nice, system, _, _, irq, softirq = map(int, f.readline().split()[1:8])
+    own = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK"), sum(r.ru_utime + r.ru_stime for r in own)
+
+
+def machine() -> dict:
+    """CPU model, cores, the AVX-512 flags that matter to matmul speed, torch version and threads, load."""
+    cpu, flags = platform.processor() or platform.machine(), set()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            first_cpu = [line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line]
+        info = {k.strip(): v.strip() for k, v in first_cpu}
+        cpu, flags = info.get("model name", cpu), set(info.get("flags", "").split())
+    flags &= {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
+    return {"cpu": cpu, "cores": os.cpu_count(), "cpu_flags": sorted(flags),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "load": os.getloadavg()[0],
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def main(argv: list[str]) -> dict:
+    bench, flags, variants = parse_args(argv)
+    info = machine()
+    print(f"cpu {info['cpu']} ({info['cores']} cores, {' '.join(info['cpu_flags'])}), gpu {info['cuda']}, "
+          f"torch {info['torch']} ({info['threads']} threads), load average {info['load']:.2f}")
+    if info["load"] >= 0.5:
+        print(f"warning: load average {info['load']:.2f}: something else is using the CPU, figures may be low")
+    peaks: dict = {}
+
+    def peak_of(device: torch.device, dtype: str) -> float:
+        if (device, dtype) not in peaks:
+            peaks[device, dtype] = max(measure_peak_flops(device, dtype) for _ in range(bench.peak_repeats))
+            print(f"peak {dtype} matmul on {device}: {peaks[device, dtype] / 1e9:.1f} GFLOP/s")
+        return peaks[device, dtype]
+
+    synth = Synthetic(load_tokenizer(resolve(bench.mode, flags)[0].tokenizer_path))
+    rows = []
+    for variant in variants:
+        print(f"{bench.mode} {variant or 'base'} ...", file=sys.stderr, flush=True)
+        (all0, own0), t0 = cpu_seconds(), time.time()
+        with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
+            measured = RUNNERS[bench.mode](bench, flags + [f"--{kv}" for kv in variant.split()], tmp, synth, peak_of)
+        (all1, own1), seconds = cpu_seconds(), time.time() - t0
+        other_load = ((all1 - all0) - (own1 - own0)) / seconds  # cores other processes kept busy meanwhile
+        rows += [{"variant": variant or "base", **row, "other_load": other_load} for row in measured]
+    columns = {"variant": "{}", **COLUMNS[bench.mode]}
+    cells = [list(columns)] + [[fmt.format(row[k]) for k, fmt in columns.items()] for row in rows]
+    for line in cells:
+        print("  ".join(c.rjust(max(len(r[i]) for r in cells)) for i, c in enumerate(line)))
+    result = {"mode": bench.mode, "argv": list(argv), "machine": info, "rows": rows,
+              "peak_flops": {f"{device}/{dtype}": v for (device, dtype), v in peaks.items()}}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

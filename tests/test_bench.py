@@ -1,0 +1,55 @@
+import json
+
+import pytest
+
+import bench
+from conftest import TINY_MODEL
+from train_utils import ConfigError
+
+TINY = [*TINY_MODEL, "--device=cpu", "--peak_flops=1e12"]
+
+
+def last_json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_parse_args_splits_bench_keys_flags_and_variants(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("dim = 64\n")
+    settings, flags, variants = bench.parse_args([str(path), "--mode=dpo", "--batch_size=2", "--variants",
+                                                  "dtype=bfloat16 flash=False", "", "--steps=4"])
+    assert (settings.mode, settings.steps) == ("dpo", 4)
+    assert flags == ["--dim=64", "--batch_size=2"]  # the file's settings first: flags override them
+    assert variants == ["dtype=bfloat16 flash=False", ""]
+    assert bench.parse_args(["--mode=dpo"])[2] == ["precompute_ref=False", "precompute_ref=True"]
+    with pytest.raises(ConfigError, match="'learning_rate'"):
+        bench.resolve("sft", ["--learning_rate=1"])
+
+
+def test_train_mode_runs_the_real_script_and_ends_with_json(capsys):
+    result = bench.main(["--mode=train", *TINY, "--batch_size=2", "--steps=2"])
+    assert last_json(capsys) == json.loads(json.dumps(result))
+    (row,) = result["rows"]
+    assert row["tokens_per_s"] > 0 and row["mem_gb"] > 0 and row["tokens_per_step"] == pytest.approx(2 * 32)
+    assert sum(row[f"frac_{p}"] for p in ("data", "forward", "backward", "optimizer")) == pytest.approx(1)
+
+
+def test_generate_mode_cached_and_recomputed(capsys):
+    result = bench.main(["--mode=generate", *TINY, "--prompt_tokens=4", "--new_tokens=8"])
+    assert [row["batch_size"] for row in last_json(capsys)["rows"]] == list(bench.GENERATE_BATCH_SIZES)
+    assert all(row["decode_tokens_per_s_cache"] > 0 and row["cache_speedup"] > 0 for row in result["rows"])
+
+
+def test_dpo_mode_measures_both_reference_paths(capsys):
+    result = bench.main(["--mode=dpo", *TINY, "--batch_size=2", "--steps=1"])
+    rows = last_json(capsys)["rows"]
+    assert [row["variant"] for row in rows] == ["precompute_ref=False", "precompute_ref=True"]
+    assert all(row["tokens_per_s"] > 0 and 0 < row["frac_forward"] < 1 for row in result["rows"])
+
+
+def test_data_mode_tokenises_a_file_and_times_the_loader(capsys):
+    result = bench.main(["--mode=data", *TINY, "--batch_size=2", "--data_mb=0.05"])
+    (row,) = last_json(capsys)["rows"]
+    assert row["file_mb"] >= 0.05 and row["tokenise_mb_per_s_1proc"] > 0 and row["tokenise_mb_per_s_2proc"] > 0
+    assert row["loader_tokens_per_s"] == pytest.approx(row["loader_batches_per_s"] * 2 * 32)
+    assert result["rows"][0] == row
