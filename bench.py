@@ -264,7 +264,7 @@ def cpu_seconds() -> tuple[float, float]:
 
 
 def machine() -> dict:
-    """CPU model, cores, the AVX-512 flags that matter to matmul speed, torch version and threads, load."""
+    """CPU model, cores, the AVX-512 flags that matter to matmul speed, torch version and threads."""
     cpu, flags = platform.processor() or platform.machine(), set()
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
@@ -273,7 +273,7 @@ def machine() -> dict:
         cpu, flags = info.get("model name", cpu), set(info.get("flags", "").split())
     flags &= {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
     return {"cpu": cpu, "cores": os.cpu_count(), "cpu_flags": sorted(flags),
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "load": os.getloadavg()[0],
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
@@ -281,9 +281,7 @@ def main(argv: list[str]) -> dict:
     bench, flags, variants = parse_args(argv)
     info = machine()
     print(f"cpu {info['cpu']} ({info['cores']} cores, {' '.join(info['cpu_flags'])}), gpu {info['cuda']}, "
-          f"torch {info['torch']} ({info['threads']} threads), load average {info['load']:.2f}")
-    if info["load"] >= 0.5:
-        print(f"warning: load average {info['load']:.2f}: something else is using the CPU, figures may be low")
+          f"torch {info['torch']} ({info['threads']} threads)")
     peaks: dict = {}
 
     def peak_of(device: torch.device, dtype: str) -> float:
@@ -308,6 +306,8 @@ def main(argv: list[str]) -> dict:
         print("  ".join(c.rjust(max(len(r[i]) for r in cells)) for i, c in enumerate(line)))
     result = {"mode": bench.mode, "argv": list(argv), "machine": info, "rows": rows,
               "peak_flops": {f"{device}/{dtype}": v for (device, dtype), v in peaks.items()}}
+    if any(row["other_load"] > 0.2 for row in rows):
+        print("warning: other processes used the CPU during the run (other_load): the figures may be low")
     print(json.dumps(result))
     return result
 

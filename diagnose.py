@@ -259,21 +259,25 @@ def estimate_memory(model_cfg: ModelConfig, batch_size: int, dtype: str) -> dict
         n_params = Transformer(model_cfg).num_params()
     c, T, tokens = model_cfg, model_cfg.max_seq_len, batch_size * model_cfg.max_seq_len
     kv_dim, w = c.n_kv_heads * (c.dim // c.n_heads), 2 if dtype in ("bfloat16", "float16") else 4
-    # float32: each RMSNorm keeps x, rsqrt and x * rsqrt (2 dim + 1); the loss keeps the log-softmax
-    fp32 = (2 * c.n_layers + 1) * (2 * c.dim + 1) + c.vocab_size
-    # compute dtype: each norm's output as a matmul input (autocast casts it once per matmul: wq, wk, wv; w1, w3;
-    # the head); attention's q, k, v, output and wo input; SwiGLU's w1 and w3 outputs, silu(w1 x), their product
-    low = (5 * c.n_layers + 1 if w == 2 else 2 * c.n_layers + 1) * c.dim
-    low += c.n_layers * (3 * c.dim + 2 * kv_dim + 4 * c.ffn_dim)
+    # per block, float32: each of its two RMSNorms keeps x, rsqrt and x * rsqrt; compute dtype: each norm's output
+    # as a matmul input (autocast casts it once per matmul: wq, wk, wv; w1, w3), attention's q, k, v, output and
+    # wo input, SwiGLU's w1 and w3 outputs, silu(w1 x) and their product
+    block32 = 2 * (2 * c.dim + 1)
+    block_low = (5 if w == 2 else 2) * c.dim + 3 * c.dim + 2 * kv_dim + 4 * c.ffn_dim
     if c.flash:
-        fp32 += c.n_layers * c.n_heads  # one logsumexp per head
+        block32 += c.n_heads  # one logsumexp per head
     else:  # the math path keeps (H, T) float32 probabilities and k, v repeated to all H heads
-        fp32 += c.n_layers * c.n_heads * T
-        low += c.n_layers * 2 * (c.dim - kv_dim)
-    activations = tokens * (4 * fp32 + w * low) + (w * n_params if w == 2 else 0)  # + autocast's weight copies
-    # the step's peak: backward starts with every activation alive plus two float32 (B, T, vocab) gradients of
-    # the logits; the weight gradients grow while activations are freed
-    peak = activations + 8 * tokens * c.vocab_size + 4 * n_params
+        block32 += c.n_heads * T
+        block_low += 2 * (c.dim - kv_dim)
+    block = 4 * block32 + w * block_low
+    # after the blocks: the final norm (float32), its output as the head's input, the loss's log-softmax
+    head = 4 * (2 * c.dim + 1 + c.vocab_size) + w * c.dim
+    # grad_checkpoint: a block keeps only its float32 input, and backward recomputes one block at a time
+    blocks = c.n_layers * 4 * c.dim if c.grad_checkpoint else c.n_layers * block
+    activations = tokens * (blocks + head) + (w * n_params if w == 2 else 0)  # + autocast's weight copies
+    # the step's peak: backward starts with every activation alive (and one recomputed block) plus two float32
+    # (B, T, vocab) gradients of the logits; the weight gradients grow while activations are freed
+    peak = activations + tokens * (block if c.grad_checkpoint else 0) + 8 * tokens * c.vocab_size + 4 * n_params
     return {"n_params": n_params, "weights": 4 * n_params, "gradients": 4 * n_params, "adamw": 8 * n_params,
             "activations": activations, "peak": peak}
 

@@ -330,19 +330,27 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def measure_peak_flops(device: torch.device, dtype: str, n: int = 2048, repeats: int = 10) -> float:
-    """FLOP/s of a large square matmul in dtype on device: the attainable peak MFU is measured against."""
-    a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
-    b = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
-    for _ in range(2):
-        a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 2 * n**3 * repeats / (time.perf_counter() - t0)
+    """FLOP/s of a large square matmul in dtype on device: the attainable peak MFU is measured against. The size
+    doubles from 256 up to n while the next size's measurement (8x the work per matmul) would take under 2 s:
+    float16 on most CPUs runs at a few GFLOP/s, and finding that out should take seconds, not minutes."""
+
+    def rate(size: int, calls: int) -> float:
+        a = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
+        b = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
+        a @ b  # warm-up: first-call allocations and kernel choice
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return 2 * size**3 * calls / (time.perf_counter() - t0)
+
+    size = 256
+    while size < n and 8 * (repeats + 1) * 2 * size**3 / rate(size, 1) < 2.0:
+        size *= 2
+    return rate(size, repeats)
 
 
 @torch.no_grad()
@@ -375,6 +383,8 @@ def start(cfg, model_cfg, run: Run) -> str | None:
     A fresh run refuses an out_dir that holds checkpoints: nothing already written is overwritten."""
     print0(f"config: {dataclasses.asdict(cfg)}\nmodel: {dataclasses.asdict(model_cfg)}\n"
            f"device {run.device}, dtype {run.dtype}, {run.world_size} rank(s)")
+    if run.device.type == "cpu" and run.dtype == "float16":
+        print0("warning: most CPUs emulate float16 matmuls, far slower than float32: use bfloat16 or float32")
     os.makedirs(cfg.out_dir, exist_ok=True)
     latest = latest_checkpoint(cfg.out_dir)
     if latest and not cfg.resume:

@@ -119,9 +119,9 @@ def test_activations_name_the_layer_with_an_injected_bad_weight(layer, bad, weig
 
 # --- memory -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flash", [True, False])
-def test_memory_estimate_matches_what_autograd_saves(flash):
-    model = tiny_model(flash=flash)
+@pytest.mark.parametrize("flash, grad_checkpoint", [(True, False), (False, False), (True, True)])
+def test_memory_estimate_matches_what_autograd_saves(flash, grad_checkpoint):
+    model = tiny_model(flash=flash, grad_checkpoint=grad_checkpoint)
     measured = diagnose.measure_memory(model, random_batch(batch_size=4))
     est = diagnose.estimate_memory(model.config, batch_size=4, dtype="float32")
     assert est["n_params"] == model.num_params()
