@@ -203,7 +203,8 @@ def run_generate(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, pea
         prefill_again, recomputed = timed_generation(model, prompt, bench.new_tokens, False, run)
         decoded = B * (bench.new_tokens - 1)
         rows.append({"batch_size": B, "prefill_tokens_per_s": B * bench.prompt_tokens / min(prefill, prefill_again),
-                     "decode_tokens_per_s_cache": decoded / cached, "decode_tokens_per_s_recompute": decoded / recomputed,
+                     "decode_tokens_per_s_cache": decoded / cached,
+                     "decode_tokens_per_s_recompute": decoded / recomputed,
                      "cache_speedup": recomputed / cached, "dtype": run.dtype})
     return rows
 

@@ -291,7 +291,8 @@ class Records:
         return tuple(self.arrays[name][off[0, j] : off[1, j]] for j, name in enumerate(self.names))
 
     def split(self, n_first: int) -> tuple["Records", "Records"]:
-        return Records(self.arrays, self.names, self.lo, self.lo + n_first), Records(self.arrays, self.names, self.lo + n_first, self.hi)
+        cut = self.lo + n_first
+        return Records(self.arrays, self.names, self.lo, cut), Records(self.arrays, self.names, cut, self.hi)
 
 
 def tokenize_file(path: str, tokenizer, kind: str, skip_bad: bool = False, processes: int | None = None,
@@ -332,7 +333,8 @@ def tokenize_file(path: str, tokenizer, kind: str, skip_bad: bool = False, proce
     lengths = np.array([[len(a) for a in column] for column in columns]).T  # (n_records, n_arrays)
     offsets = np.zeros((len(lengths) + 1, len(names)), dtype=np.int64)
     np.cumsum(lengths, axis=0, out=offsets[1:])
-    arrays = {name: np.concatenate(column).astype(np.uint8 if name == "mask" else dtype) for name, column in zip(names, columns)}
+    arrays = {name: np.concatenate(column).astype(np.uint8 if name == "mask" else dtype)
+              for name, column in zip(names, columns)}
     arrays["offsets"] = offsets.reshape(-1)
     info = {"records": len(lengths), "tokens": int(lengths[:, 0].sum()), "notes": dict(notes)}
     if verbose:

@@ -237,7 +237,8 @@ class Transformer(nn.Module):
         B, T = idx.shape
         total = T + max_new_tokens
         if total > self.config.max_seq_len:
-            raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len={self.config.max_seq_len}")
+            raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"max_seq_len={self.config.max_seq_len}")
         caches = [KVCache(B, total) for _ in self.layers] if use_cache else None
         seq = idx.new_empty(B, total)  # prompt + generated ids, for the uncached path and the repetition penalty
         seq[:, :T] = idx

@@ -120,12 +120,13 @@ def verdicts(rows: list[dict], window: int = 20) -> list[Verdict]:
                                "likely: lr too high, batch too small, exploding gradients; try: lower lr, larger "
                                "batch (accum_steps), gradient clipping, (longer) warmup"))
     recent = grad_norm[np.isfinite(grad_norm)][-100:]
+    mean_norm = f"mean grad norm {np.mean(recent):.3g} over the last {len(recent)} rows" if len(recent) else ""
     if len(recent) and np.mean(recent) > 100:
-        out.append(Verdict("grad_explosion", f"mean grad norm {np.mean(recent):.3g} over the last {len(recent)} rows (> 100)",
+        out.append(Verdict("grad_explosion", f"{mean_norm} (> 100)",
                            "try: gradient clipping (max_grad_norm), lower lr, check the data for outliers, "
                            "normalisation layers"))
     if len(recent) and np.mean(recent) < 1e-7:
-        out.append(Verdict("grad_vanishing", f"mean grad norm {np.mean(recent):.3g} over the last {len(recent)} rows (< 1e-7)",
+        out.append(Verdict("grad_vanishing", f"{mean_norm} (< 1e-7)",
                            "likely: saturated activations, broken residual path, a detached loss; try: check the "
                            "loss reaches every layer (grad_flow), residual connections, normalisation, fewer layers"))
     if dpo and len(finite) > 10 and np.all(np.abs(finite[-10:] - math.log(2)) < 0.01):

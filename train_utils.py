@@ -146,7 +146,8 @@ def setup(device: str, dtype: str, seed: int) -> Run:
         if run.device.type == "cuda":
             run.device = torch.device("cuda", run.local_rank)
             torch.cuda.set_device(run.device)
-        dist.init_process_group("nccl" if run.device.type == "cuda" else "gloo", device_id=run.device if run.device.type == "cuda" else None)
+        cuda = run.device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=run.device if cuda else None)
         if dist.get_world_size() != run.world_size:
             raise RuntimeError(f"process group has {dist.get_world_size()} ranks, WORLD_SIZE says {run.world_size}")
     random.seed(seed)
@@ -402,7 +403,8 @@ def wrap(model, cfg, run: Run):
     if cfg.compile:
         model = torch.compile(model)
     if run.ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
+        device_ids = [run.device.index] if run.device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     return model
 
 
@@ -448,7 +450,8 @@ class Progress:
             self.loader.load_state_dict(state["loader"])
             set_rng_state(state["rng"][self.run.rank])
             self.skipped.fill_(state["skipped"])
-            self.reported_skips, self.best_val_loss, self.stale_evals = state["skipped"], state["best_val_loss"], state["stale_evals"]
+            self.reported_skips = state["skipped"]
+            self.best_val_loss, self.stale_evals = state["best_val_loss"], state["stale_evals"]
             print0(f"resumed from {path} at step {state['step']}")
         if self.run.master:
             kept = []
@@ -552,7 +555,8 @@ class Progress:
                "tokens_per_s": self.tokens * self.run.world_size / seconds, "mfu": self.flops / seconds / self.peak_flops,
                "mem_gb": peak_memory_gb(self.run.device), "skipped_steps": self.reported_skips,
                **{f"frac_{p}": s / busy for p, s in self.phase_s.items()},
-               "elapsed_s": now - self.t_start, "eta_s": (now - self.t_start) / (step - self.start_step) * (self.max_steps - step)}
+               "elapsed_s": now - self.t_start,
+               "eta_s": (now - self.t_start) / (step - self.start_step) * (self.max_steps - step)}
         self.write(row)
         self.t_log, self.tokens, self.flops = now, 0, 0
         self.phase_s, self.phase_events = dict.fromkeys(self.PHASES, 0.0), []
