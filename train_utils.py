@@ -4,6 +4,7 @@ schedule, the optimizer step (unscale, clip, skip non-finite), checkpoints, eval
 The training loop itself stays in each script.
 """
 import ast
+import ctypes
 import dataclasses
 import glob
 import json
@@ -130,6 +131,20 @@ class Run:
             dist.barrier()
 
 
+def keep_freed_memory():
+    """glibc serves allocations over 32 MB (a step's logits and their gradients, attention buffers) with fresh
+    mmaps and unmaps them when freed, so every step faults its largest buffers in again, page by page: measured on
+    configs/26m.py (batch 8, CPU), ~150k page faults and ~0.5 s of kernel time per step. Served from the heap and
+    kept there for reuse, the step is 8% (float32) to 18% (bfloat16) faster at the same peak memory."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl): its allocator is left as it is
+        return
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+    libc.mallopt(M_MMAP_MAX, 0)  # no mmap: every allocation from the heap
+    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # and what is freed stays there for reuse (unless 2 GiB are free)
+
+
 def setup(device: str, dtype: str, seed: int) -> Run:
     """Pick device and precision, join torchrun's process group if launched by it, and seed every RNG.
     Every rank seeds alike (the model starts identical everywhere); call seed_rank() after building it."""
@@ -140,6 +155,8 @@ def setup(device: str, dtype: str, seed: int) -> Run:
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"config key 'dtype' must be auto, float32, bfloat16 or float16, got {dtype!r}")
     run = Run(torch.device(device), dtype)
+    if run.device.type == "cpu":
+        keep_freed_memory()
     if "RANK" in os.environ:  # launched by torchrun: join the group or fail, never train unsynchronised
         run.rank, run.local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
         run.world_size = int(os.environ["WORLD_SIZE"])
