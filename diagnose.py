@@ -274,7 +274,9 @@ def estimate_memory(model_cfg: ModelConfig, batch_size: int, dtype: str) -> dict
     head = 4 * (2 * c.dim + 1 + c.vocab_size) + w * c.dim
     # grad_checkpoint: a block keeps only its float32 input, and backward recomputes one block at a time
     blocks = c.n_layers * 4 * c.dim if c.grad_checkpoint else c.n_layers * block
-    activations = tokens * (blocks + head) + (w * n_params if w == 2 else 0)  # + autocast's weight copies
+    # + autocast's low-precision copies of the weights: of the head's alone when the blocks are recomputed
+    copies = (c.vocab_size * c.dim if c.grad_checkpoint else n_params) * w if w == 2 else 0
+    activations = tokens * (blocks + head) + copies
     # the step's peak: backward starts with every activation alive (and one recomputed block) plus two float32
     # (B, T, vocab) gradients of the logits; the weight gradients grow while activations are freed
     peak = activations + tokens * (block if c.grad_checkpoint else 0) + 8 * tokens * c.vocab_size + 4 * n_params

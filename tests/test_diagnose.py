@@ -119,11 +119,14 @@ def test_activations_name_the_layer_with_an_injected_bad_weight(layer, bad, weig
 
 # --- memory -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flash, grad_checkpoint", [(True, False), (False, False), (True, True)])
-def test_memory_estimate_matches_what_autograd_saves(flash, grad_checkpoint):
+@pytest.mark.parametrize("flash, grad_checkpoint, dtype", [(True, False, "float32"), (False, False, "float32"),
+                                                           (True, True, "float32"), (True, False, "bfloat16"),
+                                                           (True, True, "bfloat16")])
+def test_memory_estimate_matches_what_autograd_saves(flash, grad_checkpoint, dtype):
     model = tiny_model(flash=flash, grad_checkpoint=grad_checkpoint)
-    measured = diagnose.measure_memory(model, random_batch(batch_size=4))
-    est = diagnose.estimate_memory(model.config, batch_size=4, dtype="float32")
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")  # noqa: E731
+    measured = diagnose.measure_memory(model, random_batch(batch_size=4), autocast)
+    est = diagnose.estimate_memory(model.config, batch_size=4, dtype=dtype)
     assert est["n_params"] == model.num_params()
     assert (est["weights"], est["gradients"], est["adamw"]) == (measured["weights"], measured["gradients"], measured["adamw"])
     assert measured["activations"] == pytest.approx(est["activations"], rel=0.1)
