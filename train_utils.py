@@ -134,8 +134,9 @@ class Run:
 def keep_freed_memory():
     """glibc serves allocations over 32 MB (a step's logits and their gradients, attention buffers) with fresh
     mmaps and unmaps them when freed, so every step faults its largest buffers in again, page by page: measured on
-    configs/26m.py (batch 8, CPU), ~150k page faults and ~0.5 s of kernel time per step. Served from the heap and
-    kept there for reuse, the step is 8% (float32) to 18% (bfloat16) faster at the same peak memory."""
+    configs/26m.py (batch 8, CPU), 80-170k page faults and 0.2-0.6 s of kernel time per step. Served from the heap
+    and kept there for reuse, the step is 8% (float32) to 18% (bfloat16) faster; the flash path's peak memory is about
+    the same, the math path's grows ~13% (fragmentation)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc (macOS, musl): its allocator is left as it is
