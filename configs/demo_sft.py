@@ -12,7 +12,7 @@ lr = 3e-4
 min_lr = 3e-5
 # The held-out questions name countries no conversation mentions. Trained, the tied embedding learns to make
 # the 83 names SFT sees likelier than the 20 it does not, and the model answers about the wrong country.
-# Measured on the held-out capital / continent questions: 0% / 0% with it trained, 90% / 97.5% frozen.
+# Measured on the held-out capital / continent questions: 45% / 52.5% with it trained, 95% / 97.5% frozen.
 freeze_embeddings = True
 warmup_ratio = 0.05
 log_interval = 20
