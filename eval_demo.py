@@ -61,10 +61,10 @@ def score(items: list[dict], answers: list[str]) -> dict[str, tuple[float, float
 
 @torch.no_grad()
 def pair_logprobs(model, data: DPOData, pad_id: int, length_norm: bool) -> torch.Tensor:
-    """Log-prob of the chosen and the rejected answer of every pair, (n_pairs, 2)."""
+    """Log-prob of the chosen and the rejected answer of every pair under an eval-mode model, (n_pairs, 2)."""
     table = torch.zeros(len(data), 2)
     for X, Y, M, idx in Loader(data, 64, pad_id).batches(10**12):
-        table[idx] = torch.stack(sequence_logprobs(model.eval(), X, Y, M, length_norm).chunk(2), dim=1)
+        table[idx] = torch.stack(sequence_logprobs(model, X, Y, M, length_norm).chunk(2), dim=1)
     return table
 
 
@@ -94,7 +94,7 @@ def main(argv=None):
         reference = pair_logprobs(load_model(args.reference)[0], pairs, tokenizer.pad_id, args.length_norm)
     results, preferences = {}, {}
     for path in args.ckpts:
-        model, config = load_model(path)
+        model, _ = load_model(path)
         answers = answer_all(model, tokenizer, [it["question"] for it in items])
         results[path] = score(items, answers)
         if pairs is not None:
