@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from data import (BadRecord, Loader, PretrainData, SFTData, encode_chat, encode_pretrain, encode_sft,  # noqa: E402
                   show_mask, tokenize_file)
-from model import ModelConfig, Transformer  # noqa: E402
+from model import ATTENTION_TILE, ModelConfig, Transformer  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 from train_utils import ConfigError, load_config, set_lr, setup  # noqa: E402
 
@@ -251,7 +251,7 @@ def check_activations(model, batch, max_abs: float = 1e4) -> list[tuple[str, str
 # -----------------------------------------------------------------------------
 # memory
 
-def estimate_memory(model_cfg: ModelConfig, batch_size: int, dtype: str) -> dict[str, int]:
+def estimate_memory(model_cfg: ModelConfig, batch_size: int, dtype: str, device_type: str) -> dict[str, int]:
     """Bytes of training. Weights, gradients and AdamW's two moments as in the notes (001: gradients = weights,
     Adam = 2 x weights), all float32: autocast keeps float32 weights. Activations: what autograd saves per token,
     counted from model.py (the notes' B * T * params * 0.001 rule of thumb ignores the architecture)."""
@@ -264,11 +264,14 @@ def estimate_memory(model_cfg: ModelConfig, batch_size: int, dtype: str) -> dict
     # wo input, SwiGLU's w1 and w3 outputs, silu(w1 x) and their product
     block32 = 2 * (2 * c.dim + 1)
     block_low = (5 if w == 2 else 2) * c.dim + 3 * c.dim + 2 * kv_dim + 4 * c.ffn_dim
-    if c.flash:
+    if c.uses_flash(device_type):
         block32 += c.n_heads  # one logsumexp per head
-    else:  # the math path keeps (H, T) float32 probabilities and k, v repeated to all H heads
-        block32 += c.n_heads * T
-        block_low += 2 * (c.dim - kv_dim)
+    else:  # the math path keeps float32 probabilities over the keys each row's tile sees (and their low-precision
+        # copy under autocast), not the attention output
+        tiles = [(t0, min(t0 + ATTENTION_TILE, T)) for t0 in range(0, T, ATTENTION_TILE)]  # query rows t0 .. t1-1
+        keys = sum((t1 - t0) * t1 for t0, t1 in tiles) // T  # scores per query row, on average: each row sees t1
+        block32 += c.n_heads * keys
+        block_low += (c.n_heads * keys if w == 2 else 0) - c.dim
     block = 4 * block32 + w * block_low
     # after the blocks: the final norm (float32), its output as the head's input, the loss's log-softmax
     head = 4 * (2 * c.dim + 1 + c.vocab_size) + w * c.dim
@@ -428,7 +431,7 @@ def main(argv: list[str]):
               else "✓ activations and weights look fine")
     elif command == "memory":
         measured = measure_memory(model, next_batch(), run.autocast)
-        print_memory(estimate_memory(model_cfg, cfg.batch_size, run.dtype), measured)
+        print_memory(estimate_memory(model_cfg, cfg.batch_size, run.dtype, run.device.type), measured)
 
 
 if __name__ == "__main__":

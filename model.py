@@ -29,7 +29,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     dropout: float = 0.0
     tie_embeddings: bool = True
-    flash: bool = True  # F.scaled_dot_product_attention; False -> the explicit math path
+    # True: F.scaled_dot_product_attention (fused kernels); False: the explicit math path; None: SDPA on CUDA
+    # only -- on a CPU the math path, which skips the masked tiles, is faster (26m: +10% float32, +14% bfloat16)
+    flash: bool | None = None
     grad_checkpoint: bool = False  # recompute each block in backward: less memory, more compute
 
     def __post_init__(self):
@@ -41,6 +43,9 @@ class ModelConfig:
             raise ValueError(f"head_dim = dim / n_heads = {self.dim // self.n_heads} must be even for RoPE")
         if self.ffn_dim is None:
             self.ffn_dim = 64 * math.ceil(8 * self.dim / 3 / 64)
+
+    def uses_flash(self, device_type: str) -> bool:
+        return self.flash if self.flash is not None else device_type == "cuda"
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +92,10 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
+# query rows per tile of the math path: 64 was the fastest of 32/64/128/256 for 26m (T = 512) on this CPU
+ATTENTION_TILE = 64
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -97,7 +106,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
         self.dropout = config.dropout
-        self.flash = config.flash
+        self.config = config
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, start_pos: int = 0):
         B, T, _ = x.shape
@@ -109,7 +118,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, start_pos)  # (B, K, S, D), S = start_pos + T
         dropout = self.dropout if self.training else 0.0
-        if self.flash:
+        if self.config.uses_flash(x.device.type):
             # is_causal masks top-left aligned, right when queries start at key 0; a decode step
             # (start_pos > 0, T == 1, checked by Transformer) attends to every cached key
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=start_pos == 0, enable_gqa=True)
@@ -119,16 +128,27 @@ class Attention(nn.Module):
         return F.dropout(self.wo(y), dropout, self.training)
 
     def math_attention(self, q, k, v, start_pos: int, dropout: float):
-        """softmax(q k^T / sqrt(D) + causal mask) v, written out; the reference the flash path is tested against."""
-        n_rep = self.n_heads // self.n_kv_heads
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)  # query head h reads kv head h // n_rep
-        T, S = q.size(2), k.size(2)
-        scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(self.head_dim)  # (B, H, T, S)
+        """softmax(q k^T / sqrt(D) + causal mask) v, written out; the reference the flash path is tested against.
+        Queries go in tiles of ATTENTION_TILE rows, each against only the keys its rows may see, so the tiles above
+        the diagonal (nearly half the work when T = S) are never computed."""
+        B, H, T, D = q.shape
+        K, S = k.size(1), k.size(2)
+        # the H // K query heads that share a kv head become rows of one matmul against it: no repeated k, v
+        q = (q / math.sqrt(D)).view(B, K, H // K, T, D)
+        k, v = k.reshape(B * K, S, D), v.reshape(B * K, S, D)
         # query t sits at absolute position start_pos + t and may see keys 0 .. start_pos + t
-        visible = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=start_pos)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = F.dropout(scores.softmax(dim=-1), dropout, self.training)  # fp32 softmax: bf16 loses the tail
-        return probs.to(v.dtype) @ v  # (B, H, T, D)
+        hidden = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(diagonal=start_pos + 1)
+        mask = torch.zeros(T, S, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))  # added to scores
+        out = []
+        for t0 in range(0, T, ATTENTION_TILE):
+            t1 = min(t0 + ATTENTION_TILE, T)
+            seen = start_pos + t1  # keys the tile's last row sees; the rows above it see fewer (masked)
+            q_tile = q[:, :, :, t0:t1].reshape(B * K, H // K * (t1 - t0), D)
+            scores = torch.baddbmm(mask[t0:t1, :seen].repeat(H // K, 1), q_tile, k[:, :seen].transpose(1, 2))
+            # scores: (B * K, H // K * (t1 - t0), seen), one row per (query head of the group, query)
+            probs = F.dropout(scores.float().softmax(dim=-1), dropout, self.training)  # fp32: bf16 loses the tail
+            out.append((probs.to(v.dtype) @ v[:, :seen]).view(B, K, H // K, t1 - t0, D))
+        return torch.cat(out, dim=3).view(B, H, T, D)
 
 
 class FeedForward(nn.Module):

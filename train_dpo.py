@@ -43,7 +43,7 @@ class Config:
     length_norm: bool = True  # mean log-prob per answer token (fair between long and short answers); False: sum
     precompute_ref: bool = False  # reference log-probs once, before training (cached beside the data)
     # --- model switches (the architecture comes from init_from)
-    flash: bool = True
+    flash: bool | None = None  # None: SDPA on CUDA, the math path on a CPU (see ModelConfig)
     grad_checkpoint: bool = False
     dropout: float = 0.0
     freeze_embeddings: bool = False  # keep the (tied) token embedding as pretrained: see configs/demo_sft.py

@@ -28,7 +28,7 @@ class Config:
     max_seq_len: int = 512  # longer conversations lose their earliest turns
     skip_bad: bool = False  # skip (and count) malformed conversations instead of stopping at the first
     # --- model switches (the architecture comes from init_from)
-    flash: bool = True
+    flash: bool | None = None  # None: SDPA on CUDA, the math path on a CPU (see ModelConfig)
     grad_checkpoint: bool = False
     dropout: float = 0.0
     freeze_embeddings: bool = False  # keep the (tied) token embedding as pretrained: see configs/demo_sft.py

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import diagnose
+import model as model_py
 from model import ModelConfig, Transformer
 from tokenizer import load_tokenizer
 
@@ -121,12 +122,15 @@ def test_activations_name_the_layer_with_an_injected_bad_weight(layer, bad, weig
 
 @pytest.mark.parametrize("flash, grad_checkpoint, dtype", [(True, False, "float32"), (False, False, "float32"),
                                                            (True, True, "float32"), (True, False, "bfloat16"),
-                                                           (True, True, "bfloat16")])
-def test_memory_estimate_matches_what_autograd_saves(flash, grad_checkpoint, dtype):
+                                                           (False, False, "bfloat16"), (True, True, "bfloat16")])
+@pytest.mark.parametrize("tile", [64, 8])  # the math path in one tile (T = 32) and in four
+def test_memory_estimate_matches_what_autograd_saves(flash, grad_checkpoint, dtype, tile, monkeypatch):
+    monkeypatch.setattr(model_py, "ATTENTION_TILE", tile)
+    monkeypatch.setattr(diagnose, "ATTENTION_TILE", tile)
     model = tiny_model(flash=flash, grad_checkpoint=grad_checkpoint)
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")  # noqa: E731
     measured = diagnose.measure_memory(model, random_batch(batch_size=4), autocast)
-    est = diagnose.estimate_memory(model.config, batch_size=4, dtype=dtype)
+    est = diagnose.estimate_memory(model.config, batch_size=4, dtype=dtype, device_type="cpu")
     assert est["n_params"] == model.num_params()
     assert (est["weights"], est["gradients"], est["adamw"]) == (measured["weights"], measured["gradients"], measured["adamw"])
     assert measured["activations"] == pytest.approx(est["activations"], rel=0.1)

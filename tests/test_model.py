@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import model as model_py
 from model import ModelConfig, Transformer, apply_rope
 from train_utils import load_config
 
@@ -43,11 +44,16 @@ def test_bad_head_configs_are_rejected(bad, message):
         ModelConfig(**{**dict(dim=64, n_heads=4, n_kv_heads=2), **bad})
 
 
-def test_flash_and_math_attention_agree_in_logits_and_gradients():
+# the math path in one tile (T <= 64 here) and in tiles of 8 and 4 rows, the last one shorter (T = 17, 12, 9)
+TILES = [(True, 64), (False, 64), (False, 8), (False, 4)]
+
+
+@pytest.mark.parametrize("tile", [64, 8])
+def test_flash_and_math_attention_agree_in_logits_and_gradients(tile, monkeypatch):
+    monkeypatch.setattr(model_py, "ATTENTION_TILE", tile)
     flash = tiny(flash=True)
     math_ = copy.deepcopy(flash)
-    for layer in math_.layers:
-        layer.attention.flash = False
+    math_.config.flash = False  # every layer's attention reads the model's config
     data = batch(flash)
     logits_f, loss_f = flash(data[:, :-1], data[:, 1:])
     logits_m, loss_m = math_(data[:, :-1], data[:, 1:])
@@ -67,8 +73,9 @@ def sharpen(model: Transformer) -> Transformer:
     return model
 
 
-@pytest.mark.parametrize("flash", [True, False])
-def test_decoding_with_the_kv_cache_gives_the_logits_of_a_full_forward(flash):
+@pytest.mark.parametrize("flash, tile", TILES)
+def test_decoding_with_the_kv_cache_gives_the_logits_of_a_full_forward(flash, tile, monkeypatch):
+    monkeypatch.setattr(model_py, "ATTENTION_TILE", tile)
     from model import KVCache
     model = sharpen(tiny(flash=flash)).eval()
     idx = batch(model, B=2, T=12)[:, :-1]
@@ -80,8 +87,9 @@ def test_decoding_with_the_kv_cache_gives_the_logits_of_a_full_forward(flash):
     assert torch.allclose(torch.cat(steps, dim=1), full[:, 4:], atol=1e-5)
 
 
-@pytest.mark.parametrize("flash", [True, False])
-def test_greedy_generation_with_kv_cache_equals_recomputation(flash):
+@pytest.mark.parametrize("flash, tile", TILES)
+def test_greedy_generation_with_kv_cache_equals_recomputation(flash, tile, monkeypatch):
+    monkeypatch.setattr(model_py, "ATTENTION_TILE", tile)
     model = sharpen(tiny(flash=flash)).eval()
     prompt = batch(model, B=3, T=5)
     cached = model.generate(prompt, 30, temperature=0, use_cache=True)
@@ -170,8 +178,9 @@ def naive_mha_block_attention(attn, x, cos, sin):
     return attn.wo(torch.cat(heads, dim=-1))
 
 
-@pytest.mark.parametrize("flash", [True, False])
-def test_gqa_with_as_many_kv_heads_as_heads_is_ordinary_mha(flash):
+@pytest.mark.parametrize("flash, tile", TILES)
+def test_gqa_with_as_many_kv_heads_as_heads_is_ordinary_mha(flash, tile, monkeypatch):
+    monkeypatch.setattr(model_py, "ATTENTION_TILE", tile)
     model = tiny(n_heads=4, n_kv_heads=4, flash=flash)
     attn = model.layers[0].attention
     x = torch.randn(2, 9, 64)
