@@ -111,10 +111,11 @@ def load_frozen(path: str, device):
 @torch.no_grad()
 def reference_logprobs(ref_path: str, cfg, loaders: list[Loader], run) -> list[torch.Tensor]:
     """Per-pair reference log-probs (n_pairs, 2) = (chosen, rejected) for each loader's dataset, computed once
-    and cached beside the data file, keyed on the reference checkpoint, the data and the options."""
+    and cached beside the data file, keyed on the reference checkpoint, the data, the options and the dtype they
+    are computed in (bfloat16 log-probs are not float32 ones)."""
     key = hashlib.blake2b(repr((file_digest(ref_path), file_digest(cfg.data_path), cfg.val_data_path and
                                 file_digest(cfg.val_data_path), cfg.val_fraction, cfg.length_norm,
-                                cfg.max_prompt_length, cfg.max_completion_length, cfg.skip_bad)).encode(),
+                                cfg.max_prompt_length, cfg.max_completion_length, cfg.skip_bad, run.dtype)).encode(),
                           digest_size=8).hexdigest()
     path = f"{cfg.data_path}.ref-{key}.pt"
     if os.path.exists(path):

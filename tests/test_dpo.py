@@ -82,6 +82,18 @@ def test_precomputed_and_on_the_fly_reference_give_the_same_trajectory(tiny_sft,
     assert list((demo_dir).glob("dpo.jsonl.ref-*.pt"))  # the cache beside the data
 
 
+def test_the_reference_cache_is_kept_per_dtype(tiny_sft, demo_dir, tmp_path):
+    pairs = tmp_path / "dpo.jsonl"  # a copy: only these runs' caches lie beside it
+    pairs.write_text(open(f"{demo_dir}/dpo.jsonl", encoding="utf-8").read(), encoding="utf-8")
+    for i, dtype in enumerate(("float32", "bfloat16", "float32")):  # the second float32 run reuses the first's cache
+        dpo(tiny_sft, demo_dir, tmp_path / f"run{i}", f"--data_path={pairs}", "--max_steps=1", "--precompute_ref=True",
+            f"--dtype={dtype}")
+    caches = sorted(tmp_path.glob("dpo.jsonl.ref-*.pt"))
+    assert len(caches) == 2
+    a, b = (torch.load(c)[0] for c in caches)  # the training pairs' (chosen, rejected) log-probs
+    assert a.shape == b.shape and not torch.equal(a, b)  # bfloat16 log-probs are not float32 ones
+
+
 def test_a_few_dpo_steps_raise_reward_accuracy_on_the_training_pairs(tiny_sft, demo_dir, tmp_path):
     pairs = tmp_path / "pairs.jsonl"  # 32 training pairs, also used as the evaluation set
     pairs.write_text("".join(open(f"{demo_dir}/dpo.jsonl", encoding="utf-8").readlines()[:32]), encoding="utf-8")
