@@ -4,6 +4,7 @@ init_from = "out/demo/pretrain/best.pt"
 data_path = "data/demo/sft.jsonl"
 val_fraction = 0.05
 max_seq_len = 128
+flash = True  # see configs/demo.py
 batch_size = 32
 max_steps = 150  # 0.65 epoch: enough for the template; more only wears away what pretraining taught
 # 3e-4, not the 2e-5 of the 26M recipe: a 1.6M-parameter model moves little at 2e-5. Measured on the held-out
