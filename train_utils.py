@@ -135,9 +135,8 @@ def keep_freed_memory():
     """glibc serves allocations over 32 MB (a step's logits and their gradients, attention buffers) with fresh mmaps
     and unmaps them when freed, so every step faults its largest buffers in again, page by page: measured on
     configs/26m.py (batch 8, CPU), 80-170k page faults and 0.2-0.6 s of kernel time per step. Served from the heap
-    and kept there for reuse, the step is 8% (float32) to 18% (bfloat16) faster, the demo's 30%. The price is memory
-    the heap keeps: peak resident set +2% for 26m, +13% on its math attention path, +33-45% (1.07 -> 1.42-1.55 GB)
-    in the demo, flat over a run."""
+    and kept there for reuse, the 26m step is 12% (float32) to 55% (bfloat16) faster at the same peak resident set
+    (bench.py), the demo 30% faster at +33-45% (1.07 -> 1.42-1.55 GB), flat over a run: memory the heap keeps."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc (macOS, musl): its allocator is left as it is
