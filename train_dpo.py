@@ -103,24 +103,27 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
-def load_frozen(path: str, device):
-    """The reference model: eval mode, no gradients, so the optimizer never sees it."""
-    return model_from_checkpoint(path, device)[0].eval().requires_grad_(False)
+def load_frozen(path: str, device, flash: bool | None):
+    """The reference model: eval mode, no gradients, so the optimizer never sees it. It takes the policy's
+    attention path (not the one saved in the checkpoint), so at step 0 policy and reference agree exactly."""
+    return model_from_checkpoint(path, device, flash=flash)[0].eval().requires_grad_(False)
 
 
 @torch.no_grad()
 def reference_logprobs(ref_path: str, cfg, loaders: list[Loader], run) -> list[torch.Tensor]:
     """Per-pair reference log-probs (n_pairs, 2) = (chosen, rejected) for each loader's dataset, computed once
-    and cached beside the data file, keyed on the reference checkpoint, the data, the options and the dtype they
-    are computed in (bfloat16 log-probs are not float32 ones)."""
+    and cached beside the data file, keyed on the reference checkpoint, the data, the options and how they are
+    computed: dtype, device type and attention path (bfloat16 log-probs are not float32 ones, SDPA's round
+    differently from the math path's)."""
     key = hashlib.blake2b(repr((file_digest(ref_path), file_digest(cfg.data_path), cfg.val_data_path and
                                 file_digest(cfg.val_data_path), cfg.val_fraction, cfg.length_norm,
-                                cfg.max_prompt_length, cfg.max_completion_length, cfg.skip_bad, run.dtype)).encode(),
+                                cfg.max_prompt_length, cfg.max_completion_length, cfg.skip_bad, run.dtype,
+                                run.device.type, cfg.flash)).encode(),
                           digest_size=8).hexdigest()
     path = f"{cfg.data_path}.ref-{key}.pt"
     if os.path.exists(path):
         return torch.load(path)
-    ref = load_frozen(ref_path, run.device)
+    ref = load_frozen(ref_path, run.device, cfg.flash)
     tables = []
     for loader in loaders:
         table = torch.zeros(len(loader.dataset), 2)
@@ -168,7 +171,7 @@ def main(argv: list[str]):
             ref_tables = [t.to(run.device) for t in reference_logprobs(ref_path, cfg, [loader, val_loader], run)]
         ref_model = None
     else:
-        ref_model = load_frozen(ref_path, run.device)
+        ref_model = load_frozen(ref_path, run.device, cfg.flash)
 
     def pair_losses(policy, X, Y, M, idx):
         """DPO loss and metrics of a batch: chosen rows first, then rejected, through one forward pass."""

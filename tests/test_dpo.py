@@ -62,8 +62,9 @@ def test_sequence_logprobs_exclude_the_prompt_and_normalise_by_the_answer_length
     assert not torch.equal(sequence_logprobs(model, X, changed, M, length_norm=False)[0], summed[0])
 
 
-def test_at_step_zero_the_loss_is_ln2_and_every_margin_is_zero(tiny_sft, demo_dir, tmp_path):
-    dpo(tiny_sft, demo_dir, tmp_path, "--max_steps=1", "--lr=0")
+@pytest.mark.parametrize("flash", [False, True])  # the SFT checkpoint was saved with flash=None (math path on a CPU)
+def test_at_step_zero_the_loss_is_ln2_and_every_margin_is_zero(tiny_sft, demo_dir, tmp_path, flash):
+    dpo(tiny_sft, demo_dir, tmp_path, "--max_steps=1", "--lr=0", f"--flash={flash}")
     (row,) = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert row["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert row["reward_margin"] == 0.0 and row["chosen_reward"] == 0.0 and row["reward_acc"] == 0.0
@@ -82,16 +83,18 @@ def test_precomputed_and_on_the_fly_reference_give_the_same_trajectory(tiny_sft,
     assert list((demo_dir).glob("dpo.jsonl.ref-*.pt"))  # the cache beside the data
 
 
-def test_the_reference_cache_is_kept_per_dtype(tiny_sft, demo_dir, tmp_path):
+def test_the_reference_cache_is_kept_per_dtype_and_attention_path(tiny_sft, demo_dir, tmp_path):
     pairs = tmp_path / "dpo.jsonl"  # a copy: only these runs' caches lie beside it
     pairs.write_text(open(f"{demo_dir}/dpo.jsonl", encoding="utf-8").read(), encoding="utf-8")
-    for i, dtype in enumerate(("float32", "bfloat16", "float32")):  # the second float32 run reuses the first's cache
+    runs = [("float32", False), ("bfloat16", False), ("float32", False), ("float32", True)]  # run 2 reuses run 0's
+    for i, (dtype, flash) in enumerate(runs):
         dpo(tiny_sft, demo_dir, tmp_path / f"run{i}", f"--data_path={pairs}", "--max_steps=1", "--precompute_ref=True",
-            f"--dtype={dtype}")
-    caches = sorted(tmp_path.glob("dpo.jsonl.ref-*.pt"))
-    assert len(caches) == 2
-    a, b = (torch.load(c)[0] for c in caches)  # the training pairs' (chosen, rejected) log-probs
-    assert a.shape == b.shape and not torch.equal(a, b)  # bfloat16 log-probs are not float32 ones
+            f"--dtype={dtype}", f"--flash={flash}")
+    caches = sorted(tmp_path.glob("dpo.jsonl.ref-*.pt"), key=lambda c: c.stat().st_mtime_ns)  # runs 0, 1, 3
+    assert len(caches) == 3
+    math32, bf16, sdpa32 = (torch.load(c)[0] for c in caches)  # the training pairs' (chosen, rejected) log-probs
+    assert math32.shape == bf16.shape and not torch.equal(math32, bf16)  # bfloat16 log-probs are not float32 ones
+    assert torch.allclose(math32, sdpa32, atol=1e-4)  # the same sums, rounded differently
 
 
 def test_a_few_dpo_steps_raise_reward_accuracy_on_the_training_pairs(tiny_sft, demo_dir, tmp_path):
