@@ -12,10 +12,15 @@ decoding against recomputation; tokenisation and batching throughput.
 Bench's own keys are those of Bench below; every other --key=value goes to the training script (sft/dpo: model
 keys shape the random-init checkpoint they start from; generate/data: model, batch_size, device, dtype). A
 variant is a space-separated list of key=value overrides on top of those; each runs in a fresh subprocess, so
-its peak memory (CUDA max allocated, or peak RSS on the CPU) is its own. The script logs a metrics row every
-`steps` steps: the first warms up, the second is the measurement. MFU is against the measured matmul peak of
-the run's dtype. other_load is how many cores other processes kept busy meanwhile (from /proc/stat): on a
-small machine anything but ~0 distorts the figures. The last line of output is one JSON object with every figure.
+its peak memory (CUDA max allocated, or peak RSS on the CPU) is its own. The script runs `steps` warm-up steps,
+then `steps` more, each logged (and timed) on its own: tokens/s, ms/step, MFU and the time split are those of the
+fastest of them, tokens_per_s_median and mfu_median those of the median one. MFU is against the measured matmul
+peak of the run's dtype: peak_repeats measurements before and after every variant, the best of all of them in the
+whole bench run. On a shared VM the speed of the same work moves from second to second (a 2048^2 matmul here:
+100-189 GFLOP/s), so the fastest step against the fastest matmul, both sampled over the same minutes, compares like
+with like, and the median shows what a long run sees. other_load is how many cores other processes kept busy
+meanwhile (from /proc/stat; a VM's neighbours on the same host do not show in it). The last line of output is
+one JSON object with every figure.
 """
 import dataclasses
 import json
@@ -43,8 +48,8 @@ from train_utils import ConfigError, load_config, measure_peak_flops, read_confi
 class Bench:
     # --- what to measure
     mode: str = "train"  # train | sft | dpo | generate | data
-    steps: int = 3  # optimizer steps per metrics row: steps 1..N warm up, N+1..2N are measured
-    peak_repeats: int = 3  # measure_peak_flops runs per dtype, best one counts (unless --peak_flops is given)
+    steps: int = 5  # steps 1..N warm up (allocations settle), N+1..2N are timed one by one
+    peak_repeats: int = 3  # measure_peak_flops runs before and after each variant (unless --peak_flops is given)
     # --- generate
     prompt_tokens: int = 64
     new_tokens: int = 256
@@ -139,14 +144,14 @@ class Synthetic:
 
 def run_stage(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
     """One variant of train/sft/dpo: synthetic data (and a random-init checkpoint to start from), the script
-    as a subprocess, then its two metrics rows -> the measured figures."""
+    as a subprocess, then its metrics rows (one per step) -> the measured figures."""
     mode, given = bench.mode, {key(f) for f in flags}
     if mode == "dpo":  # the script's 256 + 256 fit max_seq_len 512 only; split any other length alike
         limit = (resolve(mode, flags)[1].max_seq_len + 1) // 2
         flags = [f"--{k}={limit}" for k in ("max_prompt_length", "max_completion_length") if k not in given] + flags
     cfg, model_cfg = resolve(mode, flags)
     run = setup(cfg.device, cfg.dtype, cfg.seed)
-    peak = cfg.peak_flops or peak_of(run.device, run.dtype)
+    peak = cfg.peak_flops or peak_of(run.device, run.dtype)  # for the script's own MFU column
     n_items = (2 * bench.steps + 1) * cfg.batch_size * cfg.accum_steps  # no epoch ends (and evaluates) in the run
     script = SCRIPTS[mode]
     args = [f for f in flags if key(f) in keys(script.Config)] if mode != "train" else flags
@@ -159,7 +164,7 @@ def run_stage(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_o
                    f"{tmp}/init.pt")
         args.append(f"--init_from={tmp}/init.pt")
     n = bench.steps
-    args += [f"--out_dir={tmp}/out", f"--max_steps={2 * n}", f"--log_interval={n}", f"--eval_interval={NEVER}",
+    args += [f"--out_dir={tmp}/out", f"--max_steps={2 * n}", "--log_interval=1", f"--eval_interval={NEVER}",
              "--eval_steps=1", f"--save_interval={NEVER}", "--keep_checkpoints=1", f"--peak_flops={peak!r}"]
     with open(f"{tmp}/log.txt", "w") as log:
         done = subprocess.run([sys.executable, script.__file__, *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -167,13 +172,19 @@ def run_stage(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_o
         with open(f"{tmp}/log.txt") as log:
             raise RuntimeError(f"{os.path.basename(script.__file__)} {' '.join(args)} failed:\n"
                                + "".join(log.readlines()[-30:]))
+    if not cfg.peak_flops:  # sample the peak again after the steps: main() takes the best of all samples
+        peak_of(run.device, run.dtype)
     with open(f"{tmp}/out/metrics.jsonl") as f:
-        warm, measured = [row for row in map(json.loads, f) if "tokens_per_s" in row][:2]
-    seconds = measured["elapsed_s"] - warm["elapsed_s"]  # == the row's own interval: nothing else ran in it
-    return [{"tokens_per_s": measured["tokens_per_s"], "ms_per_step": 1000 * seconds / n,
-             "tokens_per_step": measured["tokens_per_s"] * seconds / n, "mfu": measured["mfu"],
-             "mem_gb": measured["mem_gb"], **{k: v for k, v in measured.items() if k.startswith("frac_")},
-             "dtype": run.dtype, "peak_flops": peak}]
+        rows = [row for row in map(json.loads, f) if "tokens_per_s" in row]  # one per step
+    # a step's own interval: nothing but the step and its log line ran between two rows
+    seconds = [row["elapsed_s"] - before["elapsed_s"] for before, row in zip(rows[n - 1 :], rows[n:])]
+    by_speed = sorted(zip(rows[n:], seconds), key=lambda pair: pair[0]["tokens_per_s"])
+    (fastest, fastest_s), (median, _) = by_speed[-1], by_speed[len(by_speed) // 2]
+    return [{"tokens_per_s": fastest["tokens_per_s"], "tokens_per_s_median": median["tokens_per_s"],
+             "ms_per_step": 1000 * fastest_s, "tokens_per_step": fastest["tokens_per_s"] * fastest_s,
+             "mfu": fastest["mfu"], "mfu_median": median["mfu"], "mem_gb": rows[-1]["mem_gb"],
+             **{k: v for k, v in fastest.items() if k.startswith("frac_")}, "device": run.device.type,
+             "dtype": run.dtype, "peak_flops": peak, "peak_measured": not cfg.peak_flops}]
 
 
 def timed_generation(model, prompt, new_tokens: int, use_cache: bool, run) -> tuple[float, float]:
@@ -241,7 +252,8 @@ def run_data(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of
 
 
 RUNNERS = {"train": run_stage, "sft": run_stage, "dpo": run_stage, "generate": run_generate, "data": run_data}
-STAGE_COLUMNS = {"tokens_per_s": "{:.0f}", "ms_per_step": "{:.0f}", "mfu": "{:.2%}", "mem_gb": "{:.2f}",
+STAGE_COLUMNS = {"tokens_per_s": "{:.0f}", "tokens_per_s_median": "{:.0f}", "ms_per_step": "{:.0f}",
+                 "mfu": "{:.2%}", "mfu_median": "{:.2%}", "mem_gb": "{:.2f}",
                  "frac_data": "{:.1%}", "frac_forward": "{:.1%}", "frac_backward": "{:.1%}", "frac_optimizer": "{:.1%}",
                  "other_load": "{:.2f}"}
 COLUMNS = {"train": STAGE_COLUMNS, "sft": STAGE_COLUMNS, "dpo": STAGE_COLUMNS,
@@ -283,13 +295,15 @@ def main(argv: list[str]) -> dict:
     info = machine()
     print(f"cpu {info['cpu']} ({info['cores']} cores, {' '.join(info['cpu_flags'])}), gpu {info['cuda']}, "
           f"torch {info['torch']} ({info['threads']} threads)")
-    peaks: dict = {}
+    peaks: dict = {}  # "device/dtype" -> the best matmul FLOP/s measured so far
 
     def peak_of(device: torch.device, dtype: str) -> float:
-        if (device, dtype) not in peaks:
-            peaks[device, dtype] = max(measure_peak_flops(device, dtype) for _ in range(bench.peak_repeats))
-            print(f"peak {dtype} matmul on {device}: {peaks[device, dtype] / 1e9:.1f} GFLOP/s")
-        return peaks[device, dtype]
+        """Measure peak_repeats more times; the best measurement so far."""
+        name = f"{device.type}/{dtype}"
+        sample = max(measure_peak_flops(device, dtype) for _ in range(bench.peak_repeats))
+        peaks[name] = max(sample, peaks.get(name, 0.0))
+        print(f"peak {dtype} matmul on {device}: {sample / 1e9:.1f} GFLOP/s (best so far {peaks[name] / 1e9:.1f})")
+        return peaks[name]
 
     synth = Synthetic(load_tokenizer(resolve(bench.mode, flags)[0].tokenizer_path))
     rows = []
@@ -301,12 +315,17 @@ def main(argv: list[str]) -> dict:
         (all1, own1), seconds = cpu_seconds(), time.time() - t0
         other_load = ((all1 - all0) - (own1 - own0)) / seconds  # cores other processes kept busy meanwhile
         rows += [{"variant": variant or "base", **row, "other_load": other_load} for row in measured]
+    for row in rows:  # every measured MFU against the best peak of the whole run
+        if row.get("peak_measured"):
+            best = peaks[f"{row['device']}/{row['dtype']}"]
+            row["mfu"], row["mfu_median"] = (row[k] * row["peak_flops"] / best for k in ("mfu", "mfu_median"))
+            row["peak_flops"] = best
     columns = {"variant": "{}", **COLUMNS[bench.mode]}
     cells = [list(columns)] + [[fmt.format(row[k]) for k, fmt in columns.items()] for row in rows]
     for line in cells:
         print("  ".join(c.rjust(max(len(r[i]) for r in cells)) for i, c in enumerate(line)))
     result = {"mode": bench.mode, "argv": list(argv), "machine": info, "rows": rows,
-              "peak_flops": {f"{device}/{dtype}": v for (device, dtype), v in peaks.items()}}
+              "peak_flops": peaks}
     if any(row["other_load"] > 0.2 for row in rows):
         print("warning: other processes used the CPU during the run (other_load): the figures may be low")
     print(json.dumps(result))

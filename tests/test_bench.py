@@ -4,6 +4,7 @@ import pytest
 
 import bench
 from conftest import TINY_MODEL
+from model import ModelConfig, Transformer
 from train_utils import ConfigError
 
 TINY = [*TINY_MODEL, "--device=cpu", "--peak_flops=1e12"]
@@ -31,7 +32,25 @@ def test_train_mode_runs_the_real_script_and_ends_with_json(capsys):
     assert last_json(capsys) == json.loads(json.dumps(result))
     (row,) = result["rows"]
     assert row["tokens_per_s"] > 0 and row["mem_gb"] > 0 and row["tokens_per_step"] == pytest.approx(2 * 32)
+    # the fastest of the measured steps, and the median one: same tokens and FLOPs per step, so MFU scales alike
+    assert row["tokens_per_s_median"] <= row["tokens_per_s"]
+    assert row["mfu"] / row["mfu_median"] == pytest.approx(row["tokens_per_s"] / row["tokens_per_s_median"])
     assert sum(row[f"frac_{p}"] for p in ("data", "forward", "backward", "optimizer")) == pytest.approx(1)
+
+
+def test_mfu_is_against_the_best_peak_sampled_before_and_after_every_variant(capsys, monkeypatch):
+    samples = iter([1e12, 3e12, 2e12, 1e12])  # before variant 1, after it, before variant 2, after it
+    monkeypatch.setattr(bench, "measure_peak_flops", lambda device, dtype: next(samples))
+    tiny = [a for a in TINY if not a.startswith("--peak_flops")]
+    result = bench.main(["--mode=train", *tiny, "--batch_size=2", "--steps=1", "--peak_repeats=1",
+                         "--variants", "", "accum_steps=2"])
+    assert result["peak_flops"] == {"cpu/float32": 3e12}
+    flops_per_token = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
+                                  ).flops_per_token(32)
+    for row in result["rows"]:  # the first variant's script logged MFU against 1e12, the second's against 3e12
+        assert row["peak_flops"] == 3e12
+        assert row["mfu"] == pytest.approx(row["tokens_per_s"] * flops_per_token / 3e12)
+        assert row["mfu_median"] == pytest.approx(row["tokens_per_s_median"] * flops_per_token / 3e12)
 
 
 def test_generate_mode_cached_and_recomputed(capsys):
