@@ -16,9 +16,9 @@ its peak memory (CUDA max allocated, or peak RSS on the CPU) is its own. The scr
 then `steps` more, each logged (and timed) on its own: tokens/s, ms/step, MFU and the time split are those of the
 fastest of them, tokens_per_s_median and mfu_median those of the median one. MFU is against the measured matmul
 peak of the run's dtype: peak_repeats measurements before and after every variant, the best of all of them in the
-whole bench run. On a shared VM the speed of the same work moves from second to second (a 2048^2 matmul here:
-100-189 GFLOP/s), so the fastest step against the fastest matmul, both sampled over the same minutes, compares like
-with like, and the median shows what a long run sees. other_load is how many cores other processes kept busy
+whole bench run. On a shared VM the speed of the same work can move by half from second to second, so the fastest
+step against the fastest matmul, both sampled over the same minutes, compares like with like, and the median shows
+what a long run sees. other_load is how many cores other processes kept busy
 meanwhile (from /proc/stat; a VM's neighbours on the same host do not show in it). The last line of output is
 one JSON object with every figure.
 """
@@ -175,15 +175,20 @@ def run_stage(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_o
     if not cfg.peak_flops:  # sample the peak again after the steps: main() takes the best of all samples
         peak_of(run.device, run.dtype)
     with open(f"{tmp}/out/metrics.jsonl") as f:
-        rows = [row for row in map(json.loads, f) if "tokens_per_s" in row]  # one per step
+        logged = [json.loads(line) for line in f]
+    rows = [row for row in logged if "tokens_per_s" in row]  # one per step
+    evaluations = [row["step"] for row in logged if "tokens_per_s" not in row and "layer_grad_norms" not in row]
+    if any(n <= step < 2 * n for step in evaluations):  # an epoch ended: the next step's interval holds the evaluation
+        raise RuntimeError(f"{os.path.basename(script.__file__)} evaluated after step(s) {evaluations} (an epoch ended) "
+                           f"while steps {n + 1}..{2 * n} were timed: give it more data or fewer --steps")
     # a step's own interval: nothing but the step and its log line ran between two rows
     seconds = [row["elapsed_s"] - before["elapsed_s"] for before, row in zip(rows[n - 1 :], rows[n:])]
     by_speed = sorted(zip(rows[n:], seconds), key=lambda pair: pair[0]["tokens_per_s"])
-    (fastest, fastest_s), (median, _) = by_speed[-1], by_speed[len(by_speed) // 2]
+    (fastest, fastest_s), (median, _) = by_speed[-1], by_speed[(len(by_speed) - 1) // 2]  # the lower median
     return [{"tokens_per_s": fastest["tokens_per_s"], "tokens_per_s_median": median["tokens_per_s"],
              "ms_per_step": 1000 * fastest_s, "tokens_per_step": fastest["tokens_per_s"] * fastest_s,
              "mfu": fastest["mfu"], "mfu_median": median["mfu"], "mem_gb": rows[-1]["mem_gb"],
-             **{k: v for k, v in fastest.items() if k.startswith("frac_")}, "device": run.device.type,
+             **{k: v for k, v in fastest.items() if k.startswith("frac_")}, "device": str(run.device),
              "dtype": run.dtype, "peak_flops": peak, "peak_measured": not cfg.peak_flops}]
 
 
@@ -299,7 +304,7 @@ def main(argv: list[str]) -> dict:
 
     def peak_of(device: torch.device, dtype: str) -> float:
         """Measure peak_repeats more times; the best measurement so far."""
-        name = f"{device.type}/{dtype}"
+        name = f"{device}/{dtype}"
         sample = max(measure_peak_flops(device, dtype) for _ in range(bench.peak_repeats))
         peaks[name] = max(sample, peaks.get(name, 0.0))
         print(f"peak {dtype} matmul on {device}: {sample / 1e9:.1f} GFLOP/s (best so far {peaks[name] / 1e9:.1f})")
@@ -318,8 +323,8 @@ def main(argv: list[str]) -> dict:
     for row in rows:  # every measured MFU against the best peak of the whole run
         if row.get("peak_measured"):
             best = peaks[f"{row['device']}/{row['dtype']}"]
-            row["mfu"], row["mfu_median"] = (row[k] * row["peak_flops"] / best for k in ("mfu", "mfu_median"))
-            row["peak_flops"] = best
+            scale = row["peak_flops"] / best  # the script logged MFU against the best peak at its start
+            row["mfu"], row["mfu_median"], row["peak_flops"] = row["mfu"] * scale, row["mfu_median"] * scale, best
     columns = {"variant": "{}", **COLUMNS[bench.mode]}
     cells = [list(columns)] + [[fmt.format(row[k]) for k, fmt in columns.items()] for row in rows]
     for line in cells:

@@ -3,8 +3,9 @@ import json
 import pytest
 
 import bench
+import prepare_demo
 from conftest import TINY_MODEL
-from model import ModelConfig, Transformer
+from model import Transformer
 from train_utils import ConfigError
 
 TINY = [*TINY_MODEL, "--device=cpu", "--peak_flops=1e12"]
@@ -28,7 +29,7 @@ def test_parse_args_splits_bench_keys_flags_and_variants(tmp_path):
 
 
 def test_train_mode_runs_the_real_script_and_ends_with_json(capsys):
-    result = bench.main(["--mode=train", *TINY, "--batch_size=2", "--steps=2"])
+    result = bench.main(["--mode=train", *TINY, "--batch_size=2", "--steps=3"])
     assert last_json(capsys) == json.loads(json.dumps(result))
     (row,) = result["rows"]
     assert row["tokens_per_s"] > 0 and row["mem_gb"] > 0 and row["tokens_per_step"] == pytest.approx(2 * 32)
@@ -38,19 +39,28 @@ def test_train_mode_runs_the_real_script_and_ends_with_json(capsys):
     assert sum(row[f"frac_{p}"] for p in ("data", "forward", "backward", "optimizer")) == pytest.approx(1)
 
 
-def test_mfu_is_against_the_best_peak_sampled_before_and_after_every_variant(capsys, monkeypatch):
+def test_mfu_is_against_the_best_peak_sampled_before_and_after_every_variant(monkeypatch):
     samples = iter([1e12, 3e12, 2e12, 1e12])  # before variant 1, after it, before variant 2, after it
     monkeypatch.setattr(bench, "measure_peak_flops", lambda device, dtype: next(samples))
     tiny = [a for a in TINY if not a.startswith("--peak_flops")]
     result = bench.main(["--mode=train", *tiny, "--batch_size=2", "--steps=1", "--peak_repeats=1",
                          "--variants", "", "accum_steps=2"])
-    assert result["peak_flops"] == {"cpu/float32": 3e12}
-    flops_per_token = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
-                                  ).flops_per_token(32)
+    assert next(samples, None) is None and result["peak_flops"] == {"cpu/float32": 3e12}
+    flops_per_token = Transformer(bench.resolve("train", tiny)[1]).flops_per_token(32)
     for row in result["rows"]:  # the first variant's script logged MFU against 1e12, the second's against 3e12
         assert row["peak_flops"] == 3e12
         assert row["mfu"] == pytest.approx(row["tokens_per_s"] * flops_per_token / 3e12)
         assert row["mfu_median"] == pytest.approx(row["tokens_per_s_median"] * flops_per_token / 3e12)
+
+
+def test_an_epoch_ending_among_the_timed_steps_is_an_error(tmp_path):
+    # 4 conversations, batches of 2: SFT evaluates after step 2, between the timed steps 3 and 4
+    conversations = [{"conversations": [{"role": "user", "content": f"{i} + {i}?"},
+                                        {"role": "assistant", "content": f"{2 * i}"}]} for i in range(4)]
+    prepare_demo.write_jsonl(tmp_path / "sft.jsonl", conversations)
+    with pytest.raises(RuntimeError, match=r"evaluated after step\(s\) \[0, 2, 4\].*steps 3\.\.4 were timed"):
+        bench.main(["--mode=sft", *TINY, "--batch_size=2", "--steps=2", f"--data_path={tmp_path / 'sft.jsonl'}",
+                    f"--val_data_path={tmp_path / 'sft.jsonl'}"])
 
 
 def test_generate_mode_cached_and_recomputed(capsys):
