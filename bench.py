@@ -18,9 +18,8 @@ fastest of them, tokens_per_s_median and mfu_median those of the median one. MFU
 peak of the run's dtype: peak_repeats measurements before and after every variant, the best of all of them in the
 whole bench run. On a shared VM the speed of the same work can move by half from second to second, so the fastest
 step against the fastest matmul, both sampled over the same minutes, compares like with like, and the median shows
-what a long run sees. other_load is how many cores other processes kept busy
-meanwhile (from /proc/stat; a VM's neighbours on the same host do not show in it). The last line of output is
-one JSON object with every figure.
+what a long run sees. other_load is how many cores other processes kept busy meanwhile (from /proc/stat; a VM's
+neighbours on the same host do not show in it). The last line of output is one JSON object with every figure.
 """
 import dataclasses
 import json
