@@ -15,8 +15,8 @@ variant is a space-separated list of key=value overrides on top of those; each r
 its peak memory (CUDA max allocated, or peak RSS on the CPU) is its own. The script runs `steps` warm-up steps,
 then `steps` more, each logged (and timed) on its own: tokens/s, ms/step, MFU and the time split are those of the
 fastest of them, tokens_per_s_median and mfu_median those of the median one. MFU is against the measured matmul
-peak of the run's dtype: peak_repeats measurements before and after every variant, the best of all of them in the
-whole bench run. On a shared VM the speed of the same work can move by half from second to second, so the fastest
+peak of the run's dtype: peak_repeats measurements before the first variant and after every one, the best of all
+of them in the whole bench run. On a shared VM the speed of the same work can move by half from second to second, so the fastest
 step against the fastest matmul, both sampled over the same minutes, compares like with like, and the median shows
 what a long run sees. other_load is how many cores other processes kept busy meanwhile (from /proc/stat; a VM's
 neighbours on the same host do not show in it). The last line of output is one JSON object with every figure.
@@ -48,7 +48,7 @@ class Bench:
     # --- what to measure
     mode: str = "train"  # train | sft | dpo | generate | data
     steps: int = 5  # steps 1..N warm up (allocations settle), N+1..2N are timed one by one
-    peak_repeats: int = 3  # measure_peak_flops runs before and after each variant (unless --peak_flops is given)
+    peak_repeats: int = 3  # measure_peak_flops runs before the first variant and after each (unless --peak_flops)
     # --- generate
     prompt_tokens: int = 64
     new_tokens: int = 256
@@ -150,7 +150,7 @@ def run_stage(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_o
         flags = [f"--{k}={limit}" for k in ("max_prompt_length", "max_completion_length") if k not in given] + flags
     cfg, model_cfg = resolve(mode, flags)
     run = setup(cfg.device, cfg.dtype, cfg.seed)
-    peak = cfg.peak_flops or peak_of(run.device, run.dtype)  # for the script's own MFU column
+    peak = cfg.peak_flops or peak_of(run.device, run.dtype, again=False)  # for the script's own MFU column
     n_items = (2 * bench.steps + 1) * cfg.batch_size * cfg.accum_steps  # no epoch ends (and evaluates) in the run
     script = SCRIPTS[mode]
     args = [f for f in flags if key(f) in keys(script.Config)] if mode != "train" else flags
@@ -301,9 +301,12 @@ def main(argv: list[str]) -> dict:
           f"torch {info['torch']} ({info['threads']} threads)")
     peaks: dict = {}  # "device/dtype" -> the best matmul FLOP/s measured so far
 
-    def peak_of(device: torch.device, dtype: str) -> float:
-        """Measure peak_repeats more times; the best measurement so far."""
+    def peak_of(device: torch.device, dtype: str, again: bool = True) -> float:
+        """The best measurement so far, after peak_repeats more (again=False: only if there is none yet; the
+        samples after one variant are those before the next)."""
         name = f"{device}/{dtype}"
+        if not again and name in peaks:
+            return peaks[name]
         sample = max(measure_peak_flops(device, dtype) for _ in range(bench.peak_repeats))
         peaks[name] = max(sample, peaks.get(name, 0.0))
         print(f"peak {dtype} matmul on {device}: {sample / 1e9:.1f} GFLOP/s (best so far {peaks[name] / 1e9:.1f})")
