@@ -15,11 +15,12 @@ variant is a space-separated list of key=value overrides on top of those; each r
 its peak memory (CUDA max allocated, or peak RSS on the CPU) is its own. The script runs `steps` warm-up steps,
 then `steps` more, each logged (and timed) on its own: tokens/s, ms/step, MFU and the time split are those of the
 fastest of them, tokens_per_s_median and mfu_median those of the median one. MFU is against the measured matmul
-peak of the run's dtype: peak_repeats measurements before the first variant and after every one, the best of all
-of them in the whole bench run. On a shared VM the speed of the same work can move by half from second to second, so the fastest
-step against the fastest matmul, both sampled over the same minutes, compares like with like, and the median shows
-what a long run sees. other_load is how many cores other processes kept busy meanwhile (from /proc/stat; a VM's
-neighbours on the same host do not show in it). The last line of output is one JSON object with every figure.
+peak of the run's dtype: peak_repeats measurements before the first variant and after every one, the best of all of
+them in the whole bench run. On a shared VM the speed of the same work can move by half from second to second, so
+the fastest step against the fastest matmul, both sampled over the same minutes, compares like with like, and the
+median shows what a long run sees. other_load is how many cores other processes kept busy meanwhile (from
+/proc/stat; a VM's neighbours on the same host do not show in it). The last line of output is one JSON object with
+every figure.
 """
 import dataclasses
 import json
