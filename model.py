@@ -238,11 +238,6 @@ class Transformer(nn.Module):
         # clamp: a batch with nothing to learn gives loss 0 (and zero gradients), never 0/0 = NaN
         return logits, (ce * loss_mask).sum() / loss_mask.sum().clamp(min=1)
 
-    def token_logprobs(self, idx, targets):
-        """log p(targets[b, t] | idx[b, :t+1]) at every position, (B, T) float32: log_softmax(logits) at the
-        target ids, i.e. the negated per-token cross-entropy."""
-        return -self(idx, targets, reduction="none")[1]
-
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, **sampling):
         """Prompt (B, T) -> prompt followed by max_new_tokens tokens (fewer if every row hit eos_id). See stream()."""

@@ -3,6 +3,7 @@ Direct preference optimisation: push an SFT model towards the chosen answer of e
 rejected one, measured against a frozen copy of itself (the reference), with no reward model.
 
     python train_dpo.py configs/dpo_26m.py --init_from=out/sft/best.pt --data_path=dpo.jsonl
+    python train_dpo.py --help                                        # every key, its default and meaning
 
 The loss of a pair (Rafailov et al. 2023), with pi = log p_policy(answer | prompt), ref = the same under the
 reference model, and the sums running over the answer's tokens (its </s> included, the prompt excluded):
@@ -13,73 +14,53 @@ import hashlib
 import math
 import os
 import sys
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 
 from data import DPOData, Loader, file_digest, load_split, load_tokenizer
-from train_utils import (ConfigError, Progress, all_reduce_mean, evaluate, get_lr, load_config, model_from_checkpoint,
-                         print0, seed_rank, set_lr, setup, start, teardown, wrap)
+from train_utils import (Checkpoints, ConfigError, EarlyStopping, FinetuneConfig, MetricsLog, NonFiniteGuard,
+                         StepTimer, StopSignal, all_reduce_mean, checkpoint_to_resume, cli, clip_gradients, evaluate,
+                         get_lr, group_grad_norms, load_config, measure_peak_flops, model_from_checkpoint, print0,
+                         print_run, schedule_length, seed_rank, set_lr, setup, start_profiler, teardown, wrap)
 
 
 @dataclasses.dataclass
-class Config:
+class Config(FinetuneConfig):
     # --- I/O
     out_dir: str = "out/dpo"
     init_from: str = "out/sft/best.pt"  # the policy starts here
     ref_from: str | None = None  # the frozen reference; None: init_from
-    resume: bool = False
     # --- data
-    data_path: str = "data/dpo.jsonl"
-    val_data_path: str | None = None
-    val_fraction: float = 0.05
-    tokenizer_path: str | None = None
-    max_prompt_length: int = 256  # longer prompts lose their beginning
-    max_completion_length: int = 256  # longer answers lose their end
-    skip_bad: bool = False
+    data_path: str = "data/dpo.jsonl"  # JSONL {"prompt", "chosen", "rejected"} or {"chosen": [msgs], "rejected": [msgs]}
+    max_prompt_length: int | None = None  # longer prompts lose their beginning; None: half of max_seq_len + 1
+    max_completion_length: int | None = None  # longer answers lose their end; None: the rest of max_seq_len + 1
     # --- DPO
     beta: float = 0.5  # how far the policy may move from the reference; larger = closer
     length_norm: bool = True  # mean log-prob per answer token (fair between long and short answers); False: sum
     precompute_ref: bool = False  # reference log-probs once, before training (cached beside the data)
-    # --- model switches (the architecture comes from init_from)
-    flash: bool | None = None  # None: SDPA on CUDA, the math path on a CPU (see ModelConfig)
-    grad_checkpoint: bool = False
-    dropout: float = 0.0
-    freeze_embeddings: bool = False  # keep the (tied) token embedding as pretrained: see configs/demo_sft.py
     # --- training length
     batch_size: int = 16  # pairs per rank; each step runs 2 x batch_size sequences
-    accum_steps: int = 1
-    max_steps: int | None = None
     epochs: int = 2
-    early_stopping_patience: int = 3
-    early_stopping_threshold: float = 0.0
-    # --- optimizer
+    # --- optimizer: AdamW, weight decay on matrices only
     lr: float = 5e-6
     min_lr: float = 5e-7
     weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-    max_grad_norm: float = 1.0
-    # --- schedule
+    # --- schedule: linear warmup to lr, cosine decay to min_lr, stepped once per optimizer step
     warmup_steps: int = 100
-    warmup_ratio: float | None = None
-    # --- logging, evaluation, checkpoints
-    log_interval: int = 10
-    eval_interval: int = 500
-    eval_steps: int = 50
-    save_interval: int = 1000
-    keep_checkpoints: int = 3
-    grad_log_interval: int = 0  # every this many steps, per-layer gradient norms (plot.py's gradient flow); 0: off
-    profile: bool = False  # torch.profiler over steps 3-5: a Chrome trace in out_dir and the top ops table
-    wandb: bool = False
-    # --- system
-    device: str = "auto"
-    dtype: str = "auto"
-    compile: bool = False
-    seed: int = 1337
-    max_bad_steps: int = 10
-    peak_flops: float = 0.0
+
+
+METRICS = ["reward_margin", "reward_acc", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp"]
+
+
+def length_limits(cfg, max_seq_len: int) -> tuple[int, int]:
+    """(max_prompt_length, max_completion_length): as set, or splitting the model's max_seq_len + 1 tokens."""
+    prompt = cfg.max_prompt_length or (max_seq_len + 1) // 2
+    completion = cfg.max_completion_length or max_seq_len + 1 - prompt
+    if prompt + completion > max_seq_len + 1:
+        raise ConfigError(f"max_prompt_length + max_completion_length = {prompt + completion} exceeds the model's "
+                          f"max_seq_len + 1 = {max_seq_len + 1} ({cfg.init_from})")
+    return prompt, completion
 
 
 def sequence_logprobs(model, X, Y, loss_mask, length_norm: bool) -> torch.Tensor:
@@ -109,13 +90,28 @@ def load_frozen(path: str, device, flash: bool | None):
     return model_from_checkpoint(path, device, flash=flash)[0].eval().requires_grad_(False)
 
 
+class Reference:
+    """The frozen reference's log-probs of a batch's pairs: from the model on the fly, or looked up by pair index
+    in tables computed once (precompute_ref: half the forward passes, and one model in memory)."""
+
+    def __init__(self, model=None, tables: dict[str, torch.Tensor] | None = None, length_norm: bool = True):
+        self.model, self.tables, self.length_norm = model, tables, length_norm
+
+    @torch.no_grad()
+    def logprobs(self, X, Y, loss_mask, idx, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) log-probs, (n_pairs,) each; split ("train" or "val") names the table."""
+        if self.model is not None:
+            return sequence_logprobs(self.model, X, Y, loss_mask, self.length_norm).chunk(2)
+        return self.tables[split][idx].unbind(dim=1)
+
+
 @torch.no_grad()
-def reference_logprobs(ref_path: str, cfg, loaders: list[Loader], run) -> list[torch.Tensor]:
+def reference_tables(ref_path: str, cfg, loaders: dict[str, Loader], run) -> dict[str, torch.Tensor]:
     """Per-pair reference log-probs (n_pairs, 2) = (chosen, rejected) for each loader's dataset, computed once
     and cached beside the data file, keyed on the reference checkpoint, the data, the options and how they are
     computed: dtype, device type and attention path (bfloat16 log-probs are not float32 ones, SDPA's round
     differently from the math path's)."""
-    key = hashlib.blake2b(repr((file_digest(ref_path), file_digest(cfg.data_path), cfg.val_data_path and
+    key = hashlib.blake2b(repr(("tables by split", file_digest(ref_path), file_digest(cfg.data_path), cfg.val_data_path and
                                 file_digest(cfg.val_data_path), cfg.val_fraction, cfg.length_norm,
                                 cfg.max_prompt_length, cfg.max_completion_length, cfg.skip_bad, run.dtype,
                                 run.device.type, cfg.flash)).encode(),
@@ -124,18 +120,48 @@ def reference_logprobs(ref_path: str, cfg, loaders: list[Loader], run) -> list[t
     if os.path.exists(path):
         return torch.load(path)
     ref = load_frozen(ref_path, run.device, cfg.flash)
-    tables = []
-    for loader in loaders:
-        table = torch.zeros(len(loader.dataset), 2)
+    tables = {}
+    for split, loader in loaders.items():
+        tables[split] = torch.zeros(len(loader.dataset), 2)
         for X, Y, M, idx in Loader(loader.dataset, loader.batch_size, loader.pad_id, run.device).batches(10**12):
             with run.autocast():
                 logps = sequence_logprobs(ref, X, Y, M, cfg.length_norm).float().cpu()
-            table[idx.cpu()] = torch.stack(logps.chunk(2), dim=1)
-        tables.append(table)
+            tables[split][idx.cpu()] = torch.stack(logps.chunk(2), dim=1)
     torch.save(tables, f"{path}.tmp")
     os.replace(f"{path}.tmp", path)
-    print0(f"reference log-probs of {sum(len(t) for t in tables):,} pairs cached in {path}")
+    print0(f"reference log-probs of {sum(len(t) for t in tables.values()):,} pairs cached in {path}")
     return tables
+
+
+def pair_loss(policy, reference: Reference, batch, split: str, cfg):
+    """DPO loss and metrics of a batch: chosen rows first, then rejected, through one forward pass each model."""
+    X, Y, loss_mask, idx = batch
+    logps = sequence_logprobs(policy, X, Y, loss_mask, cfg.length_norm)
+    return dpo_loss(*logps.chunk(2), *reference.logprobs(X, Y, loss_mask, idx, split), cfg.beta)
+
+
+def validation_metrics(model, reference: Reference, val_loader, cfg, run) -> dict[str, float]:
+    """val_loss and the validation rewards, on the first eval_steps validation batches."""
+    def batch_metrics(*batch):
+        loss, metrics = pair_loss(model, reference, batch, "val", cfg)
+        return {"loss": loss, **metrics}
+
+    model.eval()
+    with run.autocast():
+        metrics = evaluate(batch_metrics, val_loader, cfg.eval_steps, run)
+    model.train()
+    return {f"val_{k}": v for k, v in metrics.items()}
+
+
+def load_data(cfg, run, tokenizer, max_prompt_length: int, max_completion_length: int) -> tuple[Loader, Loader]:
+    """Training and validation pairs; rank 0 tokenises (or finds the cache) first."""
+    with run.rank0_first():
+        train_records, val_records = load_split(cfg.data_path, cfg.val_data_path, cfg.val_fraction, tokenizer, "dpo",
+                                                max_prompt_length=max_prompt_length, skip_bad=cfg.skip_bad,
+                                                max_completion_length=max_completion_length, verbose=run.master)
+    loader_args = dict(pad_id=tokenizer.pad_id, device=run.device, seed=cfg.seed, rank=run.rank, world_size=run.world_size)
+    return (Loader(DPOData(train_records), cfg.batch_size, name="training pairs", **loader_args),
+            Loader(DPOData(val_records), cfg.batch_size, name="validation pairs", **loader_args))
 
 
 def main(argv: list[str]):
@@ -145,106 +171,83 @@ def main(argv: list[str]):
     model, _ = model_from_checkpoint(cfg.init_from, run.device, flash=cfg.flash, grad_checkpoint=cfg.grad_checkpoint,
                                      dropout=cfg.dropout)
     model_cfg = model.config
-    if cfg.max_prompt_length + cfg.max_completion_length > model_cfg.max_seq_len + 1:
-        raise ConfigError(f"max_prompt_length + max_completion_length = "
-                          f"{cfg.max_prompt_length + cfg.max_completion_length} exceeds the model's "
-                          f"max_seq_len + 1 = {model_cfg.max_seq_len + 1} ({cfg.init_from})")
-    resume_from = start(cfg, model_cfg, run)
-
-    tokenizer = load_tokenizer(cfg.tokenizer_path)
-    with run.rank0_first():
-        train_records, val_records = load_split(cfg.data_path, cfg.val_data_path, cfg.val_fraction, tokenizer, "dpo",
-                                                max_prompt_length=cfg.max_prompt_length, skip_bad=cfg.skip_bad,
-                                                max_completion_length=cfg.max_completion_length, verbose=run.master)
-    loader_args = dict(pad_id=tokenizer.pad_id, device=run.device, seed=cfg.seed, rank=run.rank, world_size=run.world_size)
-    loader = Loader(DPOData(train_records), cfg.batch_size, name="training pairs", **loader_args)
-    val_loader = Loader(DPOData(val_records), cfg.batch_size, name="validation pairs", **loader_args)
+    prompt_len, completion_len = length_limits(cfg, model_cfg.max_seq_len)
+    cfg = dataclasses.replace(cfg, max_prompt_length=prompt_len, max_completion_length=completion_len)
+    print_run(cfg, model_cfg, run)
+    resume_from = checkpoint_to_resume(cfg)
+    loader, val_loader = load_data(cfg, run, load_tokenizer(cfg.tokenizer_path), prompt_len, completion_len)
+    max_steps, warmup_steps = schedule_length(cfg, len(loader))
     steps_per_epoch = max(1, len(loader) // cfg.accum_steps)
-    max_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
-    warmup_steps = round(cfg.warmup_ratio * max_steps) if cfg.warmup_ratio is not None else cfg.warmup_steps
-    print0(f"{len(train_records):,} training and {len(val_records):,} validation pairs; "
+    print0(f"{len(loader.dataset):,} training and {len(val_loader.dataset):,} validation pairs; "
            f"{steps_per_epoch:,} steps per epoch, at most {max_steps:,} steps")
-
-    ref_path = cfg.ref_from or cfg.init_from
-    if cfg.precompute_ref:  # half the forward passes, and no second model in memory while training
+    if cfg.precompute_ref:
         with run.rank0_first():
-            ref_tables = [t.to(run.device) for t in reference_logprobs(ref_path, cfg, [loader, val_loader], run)]
-        ref_model = None
+            tables = reference_tables(cfg.ref_from or cfg.init_from, cfg, {"train": loader, "val": val_loader}, run)
+        reference = Reference(tables={k: t.to(run.device) for k, t in tables.items()})
     else:
-        ref_model = load_frozen(ref_path, run.device, cfg.flash)
-
-    def pair_losses(policy, X, Y, M, idx):
-        """DPO loss and metrics of a batch: chosen rows first, then rejected, through one forward pass."""
-        logps = sequence_logprobs(policy, X, Y, M, cfg.length_norm)
-        if ref_model is not None:
-            with torch.no_grad():
-                ref = sequence_logprobs(ref_model, X, Y, M, cfg.length_norm)
-            ref_chosen, ref_rejected = ref.chunk(2)
-        else:
-            table = ref_tables[0] if policy.training else ref_tables[1]
-            ref_chosen, ref_rejected = table[idx].unbind(dim=1)
-        return dpo_loss(*logps.chunk(2), ref_chosen, ref_rejected, cfg.beta)
+        reference = Reference(load_frozen(cfg.ref_from or cfg.init_from, run.device, cfg.flash), None, cfg.length_norm)
 
     model.tok_embeddings.weight.requires_grad_(not cfg.freeze_embeddings)
     seed_rank(cfg.seed, run)
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type)
-    scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")
-    progress = Progress("dpo", cfg, model_cfg, run, model, optimizer, scaler, loader, max_steps)
-    step = progress.resume(resume_from)
-    raw_model, model = model, wrap(model, cfg, run)
-
-    def val_metrics() -> dict[str, float]:
-        def batch_metrics(*batch):
-            loss, metrics = pair_losses(raw_model, *batch)
-            return {"loss": loss, **metrics}
-
-        raw_model.eval()
-        with run.autocast():
-            metrics = evaluate(batch_metrics, val_loader, cfg.eval_steps, run)
-        raw_model.train()
-        return {f"val_{k}": v for k, v in metrics.items()}
-
-    names = ["reward_margin", "reward_acc", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp"]
+    scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")  # float16 only
+    guard = NonFiniteGuard(model, cfg.max_bad_steps, run.device)  # skips a NaN/Inf update
+    early = EarlyStopping(cfg.early_stopping_patience, cfg.early_stopping_threshold)
+    checkpoints = Checkpoints(cfg, model_cfg, "dpo", run, model, optimizer, scaler, loader, guard, early)
+    step = checkpoints.resume(resume_from)
+    raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
+    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
+    timer = StepTimer(run, cfg.peak_flops or measure_peak_flops(run.device, run.dtype), step, max_steps)
     watch = FailureWatch()
+
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
-        loss_sum = torch.zeros((), device=run.device)
-        metric_sums = torch.zeros(len(names), device=run.device)
+        # DPO's loss is a mean over pairs, and every micro-batch holds batch_size pairs: the mean of the
+        # micro-batches' means is the mean over the whole step's pairs, on every rank alike
+        loss_sum, metric_sums = torch.zeros((), device=run.device), torch.zeros(len(METRICS), device=run.device)
         for micro_step in range(cfg.accum_steps):
-            with progress.time("data"):
-                X, Y, loss_mask, idx = loader.next_batch()
-            with model.no_sync() if run.ddp and micro_step < cfg.accum_steps - 1 else nullcontext():
-                with progress.time("forward"), run.autocast():
-                    loss, metrics = pair_losses(model, X, Y, loss_mask, idx)
-                with progress.time("backward"):
+            with timer.phase("data"):
+                batch = loader.next_batch()
+            with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
+                with timer.phase("forward"), run.autocast():
+                    loss, metrics = pair_loss(model, reference, batch, "train", cfg)
+                with timer.phase("backward"):
                     scaler.scale(loss / cfg.accum_steps).backward()
             loss_sum += loss.detach()
-            metric_sums += torch.stack([metrics[k].float() for k in names])
-            progress.count(X)
-        with progress.time("optimizer"):
+            metric_sums += torch.stack([metrics[k].float() for k in METRICS])
+            timer.count(batch[0], raw_model.flops_per_token(batch[0].size(1)))
+        with timer.phase("optimizer"):
             loss = all_reduce_mean(loss_sum / cfg.accum_steps, run)  # all ranks must step, or skip, alike
-            scaler.unscale_(optimizer)  # clip the true gradients, not the float16-scaled ones
-            progress.grad_flow(step + 1, raw_model)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
-            progress.skip_nonfinite(optimizer, scaler, loss, grad_norm)  # a NaN/Inf step changes nothing
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm = clip_gradients(model, optimizer, scaler, cfg.max_grad_norm)
+            if cfg.grad_log_interval and (step + 1) % cfg.grad_log_interval == 0:
+                log.write({"step": step + 1, "layer_grad_norms": group_grad_norms(raw_model)}, echo=False)
+            guard.step(optimizer, scaler, loss, grad_norm)
         step += 1
+        if profiler:
+            profiler.step()
 
-        if step % cfg.log_interval == 0 or step == max_steps:
-            means = all_reduce_mean(metric_sums / cfg.accum_steps, run).tolist()
-            progress.log(step, loss, lr, grad_norm, **dict(zip(names, means)))
-            watch.update(loss.item(), means[names.index("chosen_logp")], step > warmup_steps)
-        stopping = progress.stop_requested(step)
+        stopping = False
+        if step % cfg.log_interval == 0 or step == max_steps:  # the loop's only host syncs (.item())
+            guard.report(step, loss.item(), grad_norm.item())
+            means = dict(zip(METRICS, all_reduce_mean(metric_sums / cfg.accum_steps, run).tolist()))
+            log.write({"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), **means,
+                       "skipped_steps": guard.reported, **timer.read(step)})
+            watch.update(loss.item(), means["chosen_logp"], step > warmup_steps)
+            stopping = stop.requested(run)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step % steps_per_epoch == 0 or step == max_steps:
-            stopping |= progress.validate(step, val_metrics, cfg.early_stopping_patience,
-                                          cfg.early_stopping_threshold)  # logs; best.pt; early stopping
+            with timer.paused():
+                val_metrics = validation_metrics(raw_model, reference, val_loader, cfg, run)
+                log.write({"step": step, **val_metrics})
+                if early.update(val_metrics["val_loss"]):
+                    checkpoints.save("best.pt", step)
+            stopping |= early.should_stop
         if step % cfg.save_interval == 0 or step == max_steps or stopping:
-            progress.save(step)
+            with timer.paused():
+                checkpoints.save(f"step_{step:07d}.pt", step)
         if stopping:
+            print0(f"stopped at step {step}; continue with --resume=True")
             break
-    print0(f"done: step {step}, best val_loss {progress.best_val_loss:.4f}, checkpoints in {cfg.out_dir}")
+    print0(f"done: step {step}, best val_loss {early.best:.4f}, checkpoints in {cfg.out_dir}")
     teardown(run)
 
 
@@ -275,4 +278,4 @@ class FailureWatch:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli(main)

@@ -3,68 +3,31 @@ Pretraining: next-token prediction on packed documents.
 
     python train_pretrain.py configs/26m.py --batch_size=32 --lr=3e-4        # one CPU or GPU
     torchrun --nproc_per_node=4 train_pretrain.py configs/26m.py             # DDP on 4 GPUs
+    python train_pretrain.py --help                                          # every key, its default and meaning
 """
 import dataclasses
 import sys
-from contextlib import nullcontext
 
 import torch
 
 from data import Loader, PretrainData, load_split, load_tokenizer
 from model import ModelConfig, Transformer
-from train_utils import (ConfigError, Progress, all_reduce_mean, get_lr, load_config, print0, seed_rank, set_lr,
-                         setup, start, teardown, validation_loss, wrap)
+from train_utils import (Checkpoints, ConfigError, EarlyStopping, MetricsLog, NonFiniteGuard, StepTimer, StopSignal,
+                         TrainConfig, all_reduce_mean, checkpoint_to_resume, cli, clip_gradients, get_lr,
+                         group_grad_norms, load_config, measure_peak_flops, perplexity, print0, print_run,
+                         schedule_length, seed_rank, set_lr, setup, start_profiler, teardown, validation_loss, wrap)
 
 
 @dataclasses.dataclass
-class Config:
+class Config(TrainConfig):
     # --- I/O
     out_dir: str = "out/pretrain"
-    resume: bool = False  # continue from the latest checkpoint in out_dir
     # --- data
-    data_path: str = "data/pretrain_hq.jsonl"
-    val_data_path: str | None = None  # None: hold out val_fraction of the documents
-    val_fraction: float = 0.01
-    tokenizer_path: str | None = None  # None: the tokenizer shipped in tokenizer/
-    # --- training length (model keys: see ModelConfig in model.py)
-    batch_size: int = 64  # per rank
-    accum_steps: int = 1
-    max_steps: int | None = None  # None: epochs over the training windows
-    epochs: int = 1
-    # --- optimizer
-    lr: float = 5e-4
-    min_lr: float = 1e-5
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    max_grad_norm: float = 1.0  # 0 disables clipping
-    # --- schedule
-    warmup_steps: int = 1000
-    warmup_ratio: float | None = None  # if set: warmup_steps = warmup_ratio * max_steps
-    # --- logging, evaluation, checkpoints
-    log_interval: int = 10
-    eval_interval: int = 2000
-    eval_steps: int = 50
-    save_interval: int = 5000
-    keep_checkpoints: int = 3
-    grad_log_interval: int = 0  # every this many steps, per-layer gradient norms (plot.py's gradient flow); 0: off
-    profile: bool = False  # torch.profiler over steps 3-5: a Chrome trace in out_dir and the top ops table
-    wandb: bool = False
-    # --- system
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
-    compile: bool = False
-    seed: int = 1337
-    max_bad_steps: int = 10  # stop after this many non-finite steps in a row
-    peak_flops: float = 0.0  # per device, for MFU; 0: measure a large matmul at startup
+    data_path: str = "data/pretrain_hq.jsonl"  # JSONL {"text": ...} lines, or .txt documents split by blank lines
 
 
-def main(argv: list[str]):
-    cfg, model_cfg = load_config(argv, Config, ModelConfig)
-    run = setup(cfg.device, cfg.dtype, cfg.seed)
-    resume_from = start(cfg, model_cfg, run)
-
-    # data: rank 0 tokenises (or finds the cache) first, then the other ranks read its cache
+def load_data(cfg, model_cfg, run) -> tuple[Loader, Loader]:
+    """Training and validation windows; rank 0 tokenises (or finds the cache) first, the other ranks then read it."""
     tokenizer = load_tokenizer(cfg.tokenizer_path)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but vocab_size is {model_cfg.vocab_size}")
@@ -72,12 +35,19 @@ def main(argv: list[str]):
         train_records, val_records = load_split(cfg.data_path, cfg.val_data_path, cfg.val_fraction, tokenizer,
                                                 "pretrain", verbose=run.master)
     loader_args = dict(pad_id=tokenizer.pad_id, device=run.device, seed=cfg.seed, rank=run.rank, world_size=run.world_size)
-    loader = Loader(PretrainData(train_records, model_cfg.max_seq_len), cfg.batch_size, name="training windows",
-                    **loader_args)
-    val_loader = Loader(PretrainData(val_records, model_cfg.max_seq_len), cfg.batch_size,
-                        name="validation windows", **loader_args)
-    max_steps = cfg.max_steps or cfg.epochs * len(loader) // cfg.accum_steps
-    warmup_steps = round(cfg.warmup_ratio * max_steps) if cfg.warmup_ratio is not None else cfg.warmup_steps
+    return (Loader(PretrainData(train_records, model_cfg.max_seq_len), cfg.batch_size, name="training windows",
+                   **loader_args),
+            Loader(PretrainData(val_records, model_cfg.max_seq_len), cfg.batch_size, name="validation windows",
+                   **loader_args))
+
+
+def main(argv: list[str]):
+    cfg, model_cfg = load_config(argv, Config, ModelConfig)  # the model's keys are ModelConfig's (model.py)
+    run = setup(cfg.device, cfg.dtype, cfg.seed)
+    print_run(cfg, model_cfg, run)
+    resume_from = checkpoint_to_resume(cfg)
+    loader, val_loader = load_data(cfg, model_cfg, run)
+    max_steps, warmup_steps = schedule_length(cfg, len(loader))
     print0(f"{len(loader.dataset):,} training and {len(val_loader.dataset):,} validation windows of "
            f"{model_cfg.max_seq_len + 1} tokens; {max_steps:,} steps of "
            f"{cfg.batch_size * cfg.accum_steps * run.world_size * model_cfg.max_seq_len:,} tokens")
@@ -87,49 +57,58 @@ def main(argv: list[str]):
     seed_rank(cfg.seed, run)
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type)
     scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")  # float16 only
-    progress = Progress("pretrain", cfg, model_cfg, run, model, optimizer, scaler, loader, max_steps)
-    step = progress.resume(resume_from)
-    raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving and evaluation
-
-    def val_metrics() -> dict[str, float]:
-        return {"val_loss": validation_loss(raw_model, val_loader, cfg.eval_steps, run)}
+    guard = NonFiniteGuard(model, cfg.max_bad_steps, run.device)  # skips a NaN/Inf update
+    best = EarlyStopping()  # no patience: it only tracks the best validation loss
+    checkpoints = Checkpoints(cfg, model_cfg, "pretrain", run, model, optimizer, scaler, loader, guard, best)
+    step = checkpoints.resume(resume_from)
+    raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
+    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
+    timer = StepTimer(run, cfg.peak_flops or measure_peak_flops(run.device, run.dtype), step, max_steps)
 
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
         loss_sum = torch.zeros((), device=run.device)
         for micro_step in range(cfg.accum_steps):
-            with progress.time("data"):
+            with timer.phase("data"):
                 X, Y, loss_mask, _ = loader.next_batch()
-            # DDP all-reduces gradients in the backward of the last micro-step only
-            with model.no_sync() if run.ddp and micro_step < cfg.accum_steps - 1 else nullcontext():
-                with progress.time("forward"), run.autocast():
+            with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
+                with timer.phase("forward"), run.autocast():
                     _, loss = model(X, Y, loss_mask)
-                with progress.time("backward"):
+                with timer.phase("backward"):
                     scaler.scale(loss / cfg.accum_steps).backward()
             loss_sum += loss.detach()
-            progress.count(X)
-        with progress.time("optimizer"):
+            timer.count(X, raw_model.flops_per_token(X.size(1)))
+        with timer.phase("optimizer"):
             loss = all_reduce_mean(loss_sum / cfg.accum_steps, run)  # all ranks must step, or skip, alike
-            scaler.unscale_(optimizer)  # clip the true gradients, not the float16-scaled ones
-            progress.grad_flow(step + 1, raw_model)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
-            progress.skip_nonfinite(optimizer, scaler, loss, grad_norm)  # a NaN/Inf step changes nothing
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm = clip_gradients(model, optimizer, scaler, cfg.max_grad_norm)
+            if cfg.grad_log_interval and (step + 1) % cfg.grad_log_interval == 0:
+                log.write({"step": step + 1, "layer_grad_norms": group_grad_norms(raw_model)}, echo=False)
+            guard.step(optimizer, scaler, loss, grad_norm)
         step += 1
+        if profiler:
+            profiler.step()
 
-        progress.log(step, loss, lr, grad_norm)
-        stopping = progress.stop_requested(step)
+        stopping = False
+        if step % cfg.log_interval == 0 or step == max_steps:  # the loop's only host syncs (.item())
+            guard.report(step, loss.item(), grad_norm.item())
+            log.write({"step": step, "loss": loss.item(), "ppl": perplexity(loss.item()), "lr": lr,
+                       "grad_norm": grad_norm.item(), "skipped_steps": guard.reported, **timer.read(step)})
+            stopping = stop.requested(run)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step == max_steps:
-            progress.validate(step, val_metrics)  # logs; saves best.pt on a new best
+            with timer.paused():
+                val_loss = validation_loss(raw_model, val_loader, cfg.eval_steps, run)
+                log.write({"step": step, "val_loss": val_loss, "val_ppl": perplexity(val_loss)})
+                if best.update(val_loss):
+                    checkpoints.save("best.pt", step)
         if step % cfg.save_interval == 0 or step == max_steps or stopping:
-            progress.save(step)
+            with timer.paused():
+                checkpoints.save(f"step_{step:07d}.pt", step)
         if stopping:
+            print0(f"stopped at step {step}; continue with --resume=True")
             break
-    print0(f"done: step {step}, best val_loss {progress.best_val_loss:.4f}, checkpoints in {cfg.out_dir}")
+    print0(f"done: step {step}, best val_loss {best.best:.4f}, checkpoints in {cfg.out_dir}")
     teardown(run)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli(main)

@@ -1,16 +1,23 @@
 """
-The mechanics every train_*.py shares, written once: configuration, distributed setup, precision, the LR
-schedule, the optimizer step (unscale, clip, skip non-finite), checkpoints, evaluation and the metrics log.
-The training loop itself stays in each script.
+The mechanics every train_*.py shares, written once. The loops stay in the scripts: each says when it logs,
+evaluates and saves; the pieces it calls are here.
+
+  configuration  TrainConfig, FinetuneConfig, load_config (defaults <- config file <- --key=value), --help, cli()
+  processes      setup (device, dtype, torchrun, seeds), Run, print0, all_reduce_mean, teardown
+  the step       get_lr, set_lr, clip_gradients, NonFiniteGuard (skip a NaN/Inf update), StepTimer
+  checkpoints    Checkpoints (save, rotate, resume), load_checkpoint, model_from_checkpoint, EarlyStopping
+  output         MetricsLog (metrics.jsonl and the console line), evaluate, validation_loss, StopSignal
 """
 import ast
 import ctypes
 import dataclasses
 import glob
+import inspect
 import json
 import math
 import os
 import random
+import re
 import resource
 import signal
 import sys
@@ -23,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data import BadRecord
 from model import ModelConfig, Transformer
 
 
@@ -31,6 +39,83 @@ from model import ModelConfig, Transformer
 
 class ConfigError(ValueError):
     pass
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """The keys every training stage has. A stage's Config adds its own and overrides defaults."""
+    # --- I/O
+    out_dir: str = "out"  # checkpoints and metrics.jsonl
+    resume: bool = False  # continue from the latest checkpoint in out_dir
+    # --- data
+    data_path: str = "data/train.jsonl"
+    val_data_path: str | None = None  # None: hold out the last val_fraction of the records
+    val_fraction: float = 0.01
+    tokenizer_path: str | None = None  # None: the tokenizer shipped in tokenizer/
+    # --- training length
+    batch_size: int = 64  # per rank: the global batch is batch_size x accum_steps x ranks
+    accum_steps: int = 1  # micro-batches per optimizer step
+    max_steps: int | None = None  # None: `epochs` passes over the training data
+    epochs: int = 1
+    # --- optimizer: AdamW, weight decay on matrices only
+    lr: float = 5e-4
+    min_lr: float = 1e-5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    # --- schedule: linear warmup to lr, cosine decay to min_lr, stepped once per optimizer step
+    warmup_steps: int = 1000
+    warmup_ratio: float | None = None  # if set: warmup_steps = warmup_ratio * max_steps
+    # --- logging, evaluation, checkpoints
+    log_interval: int = 10  # a console line and a metrics.jsonl row every this many steps
+    eval_interval: int = 2000  # validation loss (and best.pt) every this many steps, and at the end
+    eval_steps: int = 50  # validation batches per evaluation
+    save_interval: int = 5000  # out_dir/step_NNNNNNN.pt every this many steps, at the end and on Ctrl-C
+    keep_checkpoints: int = 3  # the newest step checkpoints kept
+    grad_log_interval: int = 0  # per-layer gradient norms every this many steps (plot.py's gradient flow); 0: off
+    profile: bool = False  # torch.profiler over steps 3-5: a Chrome trace in out_dir and the top ops table
+    wandb: bool = False  # also log to Weights & Biases (needs `pip install wandb`)
+    # --- system
+    device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
+    dtype: str = "auto"  # auto (bfloat16 on GPUs that have it, else float16; float32 on a CPU) | float32 | bfloat16 | float16
+    compile: bool = False  # torch.compile the model
+    seed: int = 1337
+    max_bad_steps: int = 10  # stop after this many non-finite (skipped) steps in a row
+    peak_flops: float = 0.0  # per device, the MFU denominator; 0: measure a large matmul at startup
+
+    def __post_init__(self):
+        positive = ("batch_size", "accum_steps", "epochs", "log_interval", "eval_interval", "eval_steps",
+                    "save_interval", "keep_checkpoints", "max_bad_steps")
+        for key in positive + ("max_steps",) * (self.max_steps is not None):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key {key!r} must be at least 1, got {getattr(self, key)}")
+        if not 0 < self.val_fraction < 1:
+            raise ConfigError(f"config key 'val_fraction' must be between 0 and 1, got {self.val_fraction}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"config key 'dtype' must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
+            raise ConfigError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+
+
+@dataclasses.dataclass
+class FinetuneConfig(TrainConfig):
+    """SFT and DPO: start from a checkpoint and keep its architecture."""
+    # --- I/O
+    init_from: str = "out/pretrain/best.pt"  # the checkpoint to start from; its model config is used
+    # --- data
+    val_fraction: float = 0.05
+    skip_bad: bool = False  # skip (and count) malformed records instead of stopping at the first
+    # --- model switches (the architecture comes from init_from)
+    flash: bool | None = None  # None: SDPA on CUDA, the math path elsewhere (see ModelConfig)
+    grad_checkpoint: bool = False  # recompute each block in backward: less memory, more compute
+    dropout: float = 0.0
+    freeze_embeddings: bool = False  # keep the (tied) token embedding as it was: see configs/demo_sft.py
+    # --- logging, evaluation, checkpoints
+    eval_interval: int = 500  # and at every epoch end
+    save_interval: int = 1000
+    early_stopping_patience: int = 3  # stop after this many evaluations without an improvement of ...
+    early_stopping_threshold: float = 0.0  # ... this much in val_loss
 
 
 def read_config_file(path: str) -> dict:
@@ -65,10 +150,50 @@ def check_type(key: str, value, annotation, source: str):
     raise ConfigError(f"config key {key!r} (from {source}) must be {names}, got {value!r} ({type(value).__name__})")
 
 
-def load_config(argv: list[str], *schemas):
-    """Build one instance of each dataclass in schemas from `[config_file] [--key=value ...]`.
-    Every key must belong to one of the schemas and match its field's type."""
+def field_docs(schema) -> dict[str, tuple[str, str]]:
+    """{field: (group, comment)} from the dataclass source: groups are its `# --- name` lines, a field's comment
+    the `# ...` beside it. A subclass's line overrides its base's, keeping the base's comment if it has none."""
+    docs: dict[str, tuple[str, str]] = {}
+    for cls in reversed([c for c in schema.__mro__ if dataclasses.is_dataclass(c)]):
+        group = ""
+        for line in inspect.getsource(cls).splitlines():
+            if line.strip().startswith("# ---"):
+                group = line.strip()[5:].strip()
+            elif m := re.match(r"\s+(\w+): [^#]*?(?:  # (.*))?$", line):
+                docs[m[1]] = (group, m[2] or docs.get(m[1], ("", ""))[1])
+    return docs
+
+
+def help_text(schemas, ignored) -> str:
+    """--help: every key of the schemas with its default and comment, grouped as in the dataclasses."""
+    script = os.path.basename(sys.modules[schemas[0].__module__].__file__ or "script.py")
+    lines = [f"usage: python {script} [config_file.py] [--key=value ...]",
+             "A config file's `key = value` lines override the defaults below; --key=value flags override both."]
+    for schema in schemas:
+        docs, groups = field_docs(schema), {}
+        for f in dataclasses.fields(schema):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            group, comment = docs.get(f.name, ("", ""))
+            groups.setdefault(group, []).append((f"--{f.name}={default}", comment))
+        for group, rows in groups.items():
+            lines.append(f"\n{group or schema.__name__}:")
+            width = max(len(flag) for flag, _ in rows)
+            lines += [f"  {flag:<{width}}  {comment}".rstrip() for flag, comment in rows]
+    if ignored:
+        lines.append(f"\nAccepted and ignored (training keys): {', '.join(sorted(ignored))}")
+    return "\n".join(lines)
+
+
+def load_config(argv: list[str], *schemas, ignored=()):
+    """Build one instance of each dataclass in schemas from `[config_file] [--key=value ...]`. Every key must
+    belong to one of the schemas (or to a dataclass in `ignored`: accepted, named in one line, then dropped)
+    and match its field's type. -h / --help prints every key and exits."""
     argv = list(argv or [])
+    fields = {f.name: (schema, f.type) for schema in schemas for f in dataclasses.fields(schema)}
+    skip = {f.name for schema in ignored for f in dataclasses.fields(schema)} - set(fields)
+    if "-h" in argv or "--help" in argv:
+        print(help_text(schemas, skip))
+        raise SystemExit(0)
     settings = []  # (key, value, source), applied in order: the file first, then the flags
     if argv and not argv[0].startswith("--"):
         path = argv.pop(0)
@@ -78,14 +203,40 @@ def load_config(argv: list[str], *schemas):
             raise ConfigError(f"expected --key=value, got {arg!r}")
         key, text = arg[2:].split("=", 1)
         settings.append((key, parse_flag_value(text), "command line"))
-    fields = {f.name: (schema, f.type) for schema in schemas for f in dataclasses.fields(schema)}
     values: dict = {schema: {} for schema in schemas}
+    dropped = sorted({key for key, _, _ in settings if key in skip})
+    if dropped:
+        print0(f"ignoring training keys that do not apply here: {', '.join(dropped)}")
     for key, value, source in settings:
+        if key in skip:
+            continue
         if key not in fields:
             raise ConfigError(f"unknown config key {key!r} (from {source}); known keys: {', '.join(sorted(fields))}")
         schema, annotation = fields[key]
         values[schema][key] = check_type(key, value, annotation, source)
-    return tuple(schema(**values[schema]) for schema in schemas)
+    try:
+        return tuple(schema(**values[schema]) for schema in schemas)
+    except ValueError as e:  # a dataclass's own check (ModelConfig's shapes, TrainConfig's ranges)
+        raise ConfigError(str(e)) from None
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def cli(main):
+    """The entry point of a script: a user's mistake (config, data, checkpoint, a diverging run) is one line
+    `error: ...` and exit status 2; a traceback means a bug."""
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, CheckpointError, BadRecord, NonFiniteError, FileNotFoundError) as e:
+        if master_process():
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 # -----------------------------------------------------------------------------
@@ -121,6 +272,10 @@ class Run:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=getattr(torch, self.dtype))
 
+    def no_sync(self, model, last_micro_step: bool):
+        """DDP all-reduces the gradients in the backward of the last micro-step only."""
+        return nullcontext() if last_micro_step or not self.ddp else model.no_sync()
+
     @contextmanager
     def rank0_first(self):
         """Rank 0 runs the block first (e.g. builds a data cache), the other ranks then run it (and read it)."""
@@ -131,12 +286,30 @@ class Run:
             dist.barrier()
 
 
+def pick_device(device: str) -> str:
+    if device != "auto":
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    return "mps" if torch.backends.mps.is_available() else "cpu"
+
+
+def pick_dtype(dtype: str, device_type: str) -> str:
+    """auto: bfloat16 where the device computes it natively, float16 (with its GradScaler) on older GPUs,
+    float32 on a CPU (bfloat16 autocast on a CPU is faster only with AVX512-BF16 or AMX: ask for it)."""
+    if dtype != "auto":
+        return dtype
+    if device_type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if device_type == "mps":
+        return "bfloat16" if torch.backends.mps.is_macos_or_newer(14, 0) else "float16"
+    return "float32"
+
+
 def keep_freed_memory():
-    """glibc serves allocations over 32 MB (a step's logits and their gradients, attention buffers) with fresh mmaps
-    and unmaps them when freed, so every step faults its largest buffers in again, page by page: measured on
-    configs/26m.py (batch 8, CPU), 80-170k page faults and 0.2-0.6 s of kernel time per step. Served from the heap
-    and kept there for reuse, the 26m step is 12% (float32) to 55% (bfloat16) faster at the same peak resident set
-    (bench.py), the demo 30% faster at +33-45% (1.07 -> 1.42-1.55 GB), flat over a run: memory the heap keeps."""
+    """On a CPU, glibc returns every freed buffer over 32 MB to the kernel, and each step then page-faults its
+    logits and attention buffers in again; keep freed memory in the heap for reuse instead (figures:
+    docs/performance.md)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc (macOS, musl): its allocator is left as it is
@@ -149,13 +322,8 @@ def keep_freed_memory():
 def setup(device: str, dtype: str, seed: int) -> Run:
     """Pick device and precision, join torchrun's process group if launched by it, and seed every RNG.
     Every rank seeds alike (the model starts identical everywhere); call seed_rank() after building it."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "float32" if device == "cpu" else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ConfigError(f"config key 'dtype' must be auto, float32, bfloat16 or float16, got {dtype!r}")
-    run = Run(torch.device(device), dtype)
+    device = pick_device(device)
+    run = Run(torch.device(device), pick_dtype(dtype, torch.device(device).type))
     if run.device.type == "cpu":
         keep_freed_memory()
     if "RANK" in os.environ:  # launched by torchrun: join the group or fail, never train unsynchronised
@@ -193,8 +361,32 @@ def all_reduce_mean(t: torch.Tensor, run: Run) -> torch.Tensor:
     return t
 
 
+def print_run(cfg, model_cfg, run: Run):
+    print0(f"config: {dataclasses.asdict(cfg)}\nmodel: {dataclasses.asdict(model_cfg)}\n"
+           f"device {run.device}, dtype {run.dtype}, {run.world_size} rank(s)")
+    if run.device.type == "cpu" and run.dtype == "float16":
+        print0("warning: most CPUs emulate float16 matmuls, far slower than float32: use bfloat16 or float32")
+
+
+def schedule_length(cfg, batches_per_epoch: int) -> tuple[int, int]:
+    """(max_steps, warmup_steps): max_steps if set, else epochs of whole accumulated steps."""
+    max_steps = cfg.max_steps or cfg.epochs * max(1, batches_per_epoch // cfg.accum_steps)
+    warmup_steps = round(cfg.warmup_ratio * max_steps) if cfg.warmup_ratio is not None else cfg.warmup_steps
+    return max_steps, warmup_steps
+
+
+def wrap(model, cfg, run: Run):
+    """The model the loop trains: compiled if asked, DDP-wrapped under torchrun. Keep the unwrapped one too."""
+    if cfg.compile:
+        model = torch.compile(model)
+    if run.ddp:
+        device_ids = [run.device.index] if run.device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    return model
+
+
 # -----------------------------------------------------------------------------
-# schedule and optimizer step
+# the optimizer step
 
 def get_lr(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
     """Linear warmup from 0 to lr, cosine decay to min_lr at max_steps, min_lr after. step = optimizer steps taken."""
@@ -211,8 +403,10 @@ def set_lr(optimizer, lr: float):
         group["lr"] = lr
 
 
-class NonFiniteError(RuntimeError):
-    pass
+def clip_gradients(model, optimizer, scaler, max_grad_norm: float) -> torch.Tensor:
+    """Unscale (float16), clip to max_grad_norm (0: no clipping), and return the norm before clipping."""
+    scaler.unscale_(optimizer)  # clip the true gradients, not the float16-scaled ones
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
 
 
 def group_grad_norms(model) -> dict[str, float]:
@@ -226,12 +420,59 @@ def group_grad_norms(model) -> dict[str, float]:
     return {k: v.sqrt().item() for k, v in squares.items()}
 
 
+class NonFiniteGuard:
+    """Skips an update whose loss or gradient norm is NaN/Inf, deciding on the device (no host sync per step);
+    the skips, and the first parameter with a non-finite gradient, are read at log steps."""
+
+    def __init__(self, model, max_bad_steps: int, device):
+        self.model, self.max_bad_steps = model, max_bad_steps
+        self.skipped = torch.zeros((), dtype=torch.long, device=device)
+        self.in_a_row = torch.zeros((), dtype=torch.long, device=device)
+        self.first_bad = torch.full((), -1, dtype=torch.long, device=device)  # index into the trainable parameters
+        self.reported = 0
+
+    def step(self, optimizer, scaler, loss: torch.Tensor, grad_norm: torch.Tensor):
+        """optimizer.step() unless the loss or the gradient norm is non-finite; then zero the gradients."""
+        bad = ~torch.isfinite(loss + grad_norm)
+        self.skipped += bad
+        self.in_a_row = (self.in_a_row + 1) * bad
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]  # = the trainable ones, in order
+        first = (~torch.stack(torch._foreach_norm(grads)).isfinite()).int().argmax()
+        self.first_bad = torch.where(bad & (self.first_bad < 0), first, self.first_bad)
+        if scaler.is_enabled():  # float16: GradScaler skips a step with inf/NaN gradients itself
+            scaler.step(optimizer)
+        elif optimizer.defaults.get("fused"):
+            optimizer.found_inf = bad.float()  # GradScaler's signal: fused AdamW then skips the whole update
+            optimizer.step()
+        elif not bad.item():  # other optimizers cannot skip on the device: one host sync
+            optimizer.step()
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    def report(self, step: int, loss: float, grad_norm: float):
+        """At a log step: print the steps skipped since the last report; stop after max_bad_steps in a row."""
+        skipped, in_a_row, first = int(self.skipped), int(self.in_a_row), int(self.first_bad)
+        if skipped > self.reported:
+            names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+            where = f"; first non-finite gradient in {names[first]}" if 0 <= first < len(names) else ""
+            print0(f"step {step}: {skipped - self.reported} update(s) skipped for a non-finite loss or gradient "
+                   f"norm (now loss {loss}, grad norm {grad_norm}){where}; {in_a_row} in a row")
+            self.reported = skipped
+            self.first_bad.fill_(-1)
+        if in_a_row >= self.max_bad_steps:
+            raise NonFiniteError(f"{in_a_row} optimizer steps in a row had a non-finite loss or gradient: "
+                                 f"lower lr, check the data, or use bfloat16 instead of float16")
+
+    def state_dict(self) -> dict:
+        return {"skipped": int(self.skipped)}
+
+    def load_state_dict(self, state: dict):
+        self.skipped.fill_(state["skipped"])
+        self.reported = state["skipped"]
+
+
 # -----------------------------------------------------------------------------
 # checkpoints
-
-class CheckpointError(RuntimeError):
-    pass
-
 
 def rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
@@ -304,9 +545,6 @@ def load_model_state(model, state_dict: dict, source: str):
     model.load_state_dict(state_dict)
 
 
-# -----------------------------------------------------------------------------
-# signals: finish the current step, save, exit
-
 def model_from_checkpoint(path: str, device="cpu", **overrides):
     """(Transformer with the checkpoint's architecture -- model_config updated by overrides such as flash or
     dropout -- and its weights, loaded strictly; the checkpoint itself)."""
@@ -314,6 +552,93 @@ def model_from_checkpoint(path: str, device="cpu", **overrides):
     model = Transformer(ModelConfig(**{**state["model_config"], **overrides}))
     load_model_state(model, state["model"], path)
     return model.to(device), state
+
+
+def latest_checkpoint(out_dir: str) -> str | None:
+    paths = sorted(glob.glob(os.path.join(out_dir, "step_*.pt")))
+    return paths[-1] if paths else None
+
+
+def checkpoint_to_resume(cfg) -> str | None:
+    """Create out_dir; the checkpoint to resume from with --resume=True, None for a fresh run. A fresh run
+    refuses an out_dir that holds checkpoints: nothing already written is overwritten."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    latest = latest_checkpoint(cfg.out_dir)
+    if latest and not cfg.resume:
+        raise ConfigError(f"{cfg.out_dir} already holds checkpoints: pass --resume=True to continue, or another out_dir")
+    return latest if cfg.resume else None
+
+
+class Checkpoints:
+    """Everything a resume needs, in out_dir: full-precision weights, optimizer, GradScaler, data position, every
+    rank's RNG states, the configs and the loop's own state (step, guard, early stopping)."""
+
+    def __init__(self, cfg, model_cfg, stage: str, run: Run, model, optimizer, scaler, loader, guard, early):
+        self.cfg, self.model_cfg, self.stage, self.run = cfg, model_cfg, stage, run
+        self.parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "loader": loader, "guard": guard,
+                      "early_stopping": early}
+
+    def save(self, name: str, step: int):
+        """Write out_dir/name atomically (every rank must call this: RNG states are gathered; rank 0 writes);
+        after a step_*.pt, keep only the newest keep_checkpoints of them."""
+        state = {key: part.state_dict() for key, part in self.parts.items()}
+        state |= {"step": step, "stage": self.stage, "config": dataclasses.asdict(self.cfg),
+                  "model_config": dataclasses.asdict(self.model_cfg), "rng": gather_rng_states(self.run)}
+        if self.run.ddp:  # DDP keeps replicas identical; prove it rather than checkpoint one of many
+            state["rank_weight_diff"] = rank_weight_diff(self.parts["model"], self.run)
+            if state["rank_weight_diff"] > 0:
+                raise RuntimeError(f"ranks hold different weights (max |diff| {state['rank_weight_diff']:.3g})")
+        if not self.run.master:
+            return
+        if not all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point()):
+            raise NonFiniteError("refusing to save a model with non-finite weights")
+        atomic_save(state, os.path.join(self.cfg.out_dir, name))
+        if name.startswith("step_"):
+            for old in sorted(glob.glob(os.path.join(self.cfg.out_dir, "step_*.pt")))[: -self.cfg.keep_checkpoints]:
+                os.remove(old)
+
+    def resume(self, path: str | None) -> int:
+        """Load the checkpoint at path into every part and the RNGs; the step to continue from (0: fresh)."""
+        if path is None:
+            return 0
+        state = load_checkpoint(path)
+        load_model_state(self.parts["model"], state["model"], path)
+        for key, part in self.parts.items():
+            if key != "model":
+                part.load_state_dict(state[key])
+        set_rng_state(state["rng"][self.run.rank])
+        print0(f"resumed from {path} at step {state['step']}")
+        return state["step"]
+
+
+class EarlyStopping:
+    """Tracks the best validation loss; with a patience, says when to stop (that many evaluations in a row
+    without an improvement of more than threshold)."""
+
+    def __init__(self, patience: int | None = None, threshold: float = 0.0):
+        self.patience, self.threshold = patience, threshold
+        self.best, self.stale = float("inf"), 0
+
+    def update(self, val_loss: float) -> bool:
+        """Record an evaluation; True when it is a new best."""
+        self.stale = 0 if val_loss < self.best - self.threshold else self.stale + 1
+        improved = val_loss < self.best
+        self.best = min(self.best, val_loss)
+        return improved
+
+    @property
+    def should_stop(self) -> bool:
+        if self.patience is not None and self.stale >= self.patience:
+            print0(f"early stopping: {self.stale} evaluations without an improvement of {self.threshold}; "
+                   f"best val_loss {self.best:.4f}")
+            return True
+        return False
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "stale": self.stale}
+
+    def load_state_dict(self, state: dict):
+        self.best, self.stale = state["best"], state["stale"]
 
 
 class StopSignal:
@@ -331,7 +656,8 @@ class StopSignal:
         print(f"\nreceived signal {signum}: saving a checkpoint after this step, then exiting", file=sys.stderr, flush=True)
 
     def requested(self, run: Run) -> bool:
-        """All ranks agree, so no rank leaves the loop while another waits in a collective."""
+        """All ranks agree, so no rank leaves the loop while another waits in a collective. A collective: call
+        it where every rank does (at log steps)."""
         if not run.ddp:
             return self.received
         flag = torch.tensor([float(self.received)], device=run.device)
@@ -340,7 +666,7 @@ class StopSignal:
 
 
 # -----------------------------------------------------------------------------
-# measurement, evaluation, logging
+# measurement, evaluation, output
 
 def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
@@ -350,26 +676,160 @@ def peak_memory_gb(device: torch.device) -> float:
 
 def measure_peak_flops(device: torch.device, dtype: str, n: int = 2048, repeats: int = 10) -> float:
     """FLOP/s of a large square matmul in dtype on device: the attainable peak MFU is measured against. The size
-    doubles from 256 up to n while the next size's measurement (8x the work per matmul) would take under 2 s:
-    float16 on most CPUs runs at a few GFLOP/s, and finding that out should take seconds, not minutes."""
+    doubles from 256 up to n while the next size's measurement would take under 2 s (float16 on most CPUs runs
+    at a few GFLOP/s, and finding that out should take seconds, not minutes)."""
 
     def rate(size: int, calls: int) -> float:
         a = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
         b = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
         a @ b  # warm-up: first-call allocations and kernel choice
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         t0 = time.perf_counter()
         for _ in range(calls):
             a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         return 2 * size**3 * calls / (time.perf_counter() - t0)
 
     size = 256
     while size < n and 8 * (repeats + 1) * 2 * size**3 / rate(size, 1) < 2.0:
         size *= 2
     return rate(size, repeats)
+
+
+def synchronize(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+class StepTimer:
+    """Tokens/s, MFU and the data/forward/backward/optimizer split of the steps since the last read(). On CUDA
+    the phases are timed with events, read at the next log step, so timing never waits for the GPU."""
+
+    PHASES = ("data", "forward", "backward", "optimizer")
+
+    def __init__(self, run: Run, peak_flops: float, start_step: int, max_steps: int):
+        self.run, self.peak_flops, self.start_step, self.max_steps = run, peak_flops, start_step, max_steps
+        self.t_start = self.t_last = time.time()
+        self.tokens = self.flops = 0  # this rank's, since the last read
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.events: list = []  # CUDA: (phase, start event, end event)
+
+    @contextmanager
+    def phase(self, name: str):
+        if self.run.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((name, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.seconds[name] += time.perf_counter() - t0
+
+    def count(self, X: torch.Tensor, flops_per_token: float):
+        """Once per micro-batch: the tokens it fed the model, and the training FLOPs they took."""
+        self.tokens += X.numel()
+        self.flops += flops_per_token * X.numel()
+
+    @contextmanager
+    def paused(self):
+        """Time spent here (evaluation, saving) is not training time."""
+        t0 = time.time()
+        yield
+        self.t_last += time.time() - t0
+
+    def read(self, step: int) -> dict[str, float]:
+        """tokens_per_s (all ranks), mfu, mem_gb, frac_<phase>, elapsed_s, eta_s; then start a new interval.
+        Call after a host sync (a .item()), so that the CUDA events have completed."""
+        for name, start, end in self.events:
+            self.seconds[name] += start.elapsed_time(end) / 1000
+        now, busy = time.time(), sum(self.seconds.values()) or 1.0
+        interval, elapsed = now - self.t_last, now - self.t_start
+        row = {"tokens_per_s": self.tokens * self.run.world_size / interval,
+               "mfu": self.flops / interval / self.peak_flops, "mem_gb": peak_memory_gb(self.run.device),
+               **{f"frac_{p}": s / busy for p, s in self.seconds.items()}, "elapsed_s": elapsed,
+               "eta_s": elapsed / (step - self.start_step) * (self.max_steps - step)}
+        self.t_last, self.tokens, self.flops = now, 0, 0
+        self.seconds, self.events = dict.fromkeys(self.PHASES, 0.0), []
+        return row
+
+
+def clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def console_line(row: dict, max_steps: int) -> str:
+    """What a person watches, in their units, on one line; the full row goes to metrics.jsonl."""
+    parts = [f"step {row['step']}/{max_steps}"]
+    if "val_loss" in row:  # an evaluation row
+        parts += [f"{k} {v:.4g}" for k, v in row.items() if k.startswith("val_") and "logp" not in k]
+        return " | ".join(parts)
+    parts += [f"loss {row['loss']:.4f}", f"lr {row['lr']:.2e}", f"grad {row['grad_norm']:.3g}"]
+    if "reward_acc" in row:  # DPO
+        parts += [f"acc {row['reward_acc']:.0%}", f"margin {row['reward_margin']:.3g}"]
+    tokens = row["tokens_per_s"]
+    parts += [f"{tokens / 1e3:.1f}k tok/s" if tokens >= 1e3 else f"{tokens:.0f} tok/s", f"MFU {row['mfu']:.1%}"]
+    if row["skipped_steps"]:
+        parts.append(f"skipped {row['skipped_steps']}")
+    return " | ".join(parts + [f"{clock(row['elapsed_s'])} / ETA {clock(row['eta_s'])}"])
+
+
+class MetricsLog:
+    """out_dir/metrics.jsonl, one JSON row per log step and per evaluation, and a short line on the console.
+    Rank 0 writes. On resume, rows after the checkpoint's step are dropped: the run writes them again."""
+
+    def __init__(self, cfg, run: Run, start_step: int, max_steps: int):
+        self.path, self.run, self.max_steps, self.wandb = os.path.join(cfg.out_dir, "metrics.jsonl"), run, max_steps, None
+        if not run.master:
+            return
+        kept = []
+        if start_step and os.path.exists(self.path):
+            with open(self.path, encoding="utf-8") as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
+        with open(f"{self.path}.tmp", "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(f"{self.path}.tmp", self.path)
+        if cfg.wandb:
+            import wandb  # optional: only when asked for
+
+            self.wandb = wandb.init(project="nanomind", name=os.path.basename(os.path.normpath(cfg.out_dir)),
+                                    config=dataclasses.asdict(cfg))
+
+    def write(self, row: dict, echo: bool = True):
+        if not self.run.master:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(row, step=row["step"])
+        if echo:
+            print0(console_line(row, self.max_steps))
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 700))
+
+
+def start_profiler(cfg, run: Run):
+    """With profile=True, on rank 0: torch.profiler over steps 3-5 (2 to settle), then a Chrome trace in out_dir
+    and the top operators on the console. Call .step() after every optimizer step."""
+    if not (cfg.profile and run.master):
+        return None
+
+    def trace_ready(profiler):
+        path = os.path.join(cfg.out_dir, "trace.json")
+        profiler.export_chrome_trace(path)
+        print0(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        print0(f"profile of 3 steps written to {path} (open it in chrome://tracing or ui.perfetto.dev)")
+
+    profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+                                      on_trace_ready=trace_ready, record_shapes=True)
+    profiler.start()
+    return profiler
 
 
 @torch.no_grad()
@@ -395,246 +855,3 @@ def validation_loss(model, loader, steps: int, run: Run) -> float:
         loss = evaluate(lambda X, Y, M, _: {"loss": model(X, Y, M)[1]}, loader, steps, run)["loss"]
     model.train()
     return loss
-
-
-def start(cfg, model_cfg, run: Run) -> str | None:
-    """Print the final config, create out_dir, and return the checkpoint to resume from (None: a fresh run).
-    A fresh run refuses an out_dir that holds checkpoints: nothing already written is overwritten."""
-    print0(f"config: {dataclasses.asdict(cfg)}\nmodel: {dataclasses.asdict(model_cfg)}\n"
-           f"device {run.device}, dtype {run.dtype}, {run.world_size} rank(s)")
-    if run.device.type == "cpu" and run.dtype == "float16":
-        print0("warning: most CPUs emulate float16 matmuls, far slower than float32: use bfloat16 or float32")
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    latest = latest_checkpoint(cfg.out_dir)
-    if latest and not cfg.resume:
-        raise ConfigError(f"{cfg.out_dir} already holds checkpoints: pass --resume=True to continue, or another out_dir")
-    return latest if cfg.resume else None
-
-
-def latest_checkpoint(out_dir: str) -> str | None:
-    paths = sorted(glob.glob(os.path.join(out_dir, "step_*.pt")))
-    return paths[-1] if paths else None
-
-
-def wrap(model, cfg, run: Run):
-    """The model the loop trains: compiled if asked, DDP-wrapped under torchrun. Keep the unwrapped one too."""
-    if cfg.compile:
-        model = torch.compile(model)
-    if run.ddp:
-        device_ids = [run.device.index] if run.device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-    return model
-
-
-class Progress:
-    """Everything around the optimizer step that every stage does alike: resume, the non-finite guard, phase
-    timing, log lines and out_dir/metrics.jsonl rows (loss, ppl, lr, grad norm, tokens/s, MFU, memory, time
-    split, ETA), gradient-flow and evaluation rows, profiling, and checkpoints: out_dir/step_0000123.pt for the
-    last keep_checkpoints saves, out_dir/best.pt for the best validation loss."""
-
-    PHASES = ("data", "forward", "backward", "optimizer")
-
-    def __init__(self, stage: str, cfg, model_cfg, run: Run, model, optimizer, scaler, loader, max_steps: int):
-        self.stage, self.cfg, self.model_cfg, self.run, self.max_steps = stage, cfg, model_cfg, run, max_steps
-        self.model, self.optimizer, self.scaler, self.loader = model, optimizer, scaler, loader
-        self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-        self.stop = StopSignal()
-        self.peak_flops = cfg.peak_flops or measure_peak_flops(run.device, run.dtype)
-        self.tokens = self.flops = 0  # this rank's, since the last log line
-        self.phase_s = dict.fromkeys(self.PHASES, 0.0)
-        self.phase_events: list = []  # CUDA: (phase, start, end) events, read at the log line
-        # non-finite steps, counted on the device (no sync); reported at log lines
-        self.skipped = torch.zeros((), dtype=torch.long, device=run.device)
-        self.bad_in_a_row = torch.zeros((), dtype=torch.long, device=run.device)
-        self.first_bad = torch.full((), -1, dtype=torch.long, device=run.device)  # index into the parameters
-        self.reported_skips = 0
-        self.best_val_loss, self.stale_evals = float("inf"), 0
-        self.profiler = None
-        if cfg.profile and run.master:  # 2 steps to settle, then 3 recorded
-            self.profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=1, warmup=1, active=3),
-                                                   on_trace_ready=self._trace_ready, record_shapes=True)
-            self.profiler.start()
-        self.wandb = None
-
-    def resume(self, path: str | None) -> int:
-        """Load the checkpoint at path (if any) into model, optimizer, scaler, loader and the RNGs; open the
-        metrics log (dropping rows past the checkpoint: they were written after it). Returns the step."""
-        state = {"step": 0}
-        if path:
-            state = load_checkpoint(path)
-            load_model_state(self.model, state["model"], path)
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scaler.load_state_dict(state["scaler"])
-            self.loader.load_state_dict(state["loader"])
-            set_rng_state(state["rng"][self.run.rank])
-            self.skipped.fill_(state["skipped"])
-            self.reported_skips = state["skipped"]
-            self.best_val_loss, self.stale_evals = state["best_val_loss"], state["stale_evals"]
-            print0(f"resumed from {path} at step {state['step']}")
-        if self.run.master:
-            kept = []
-            if path and os.path.exists(self.metrics_path):
-                with open(self.metrics_path, encoding="utf-8") as f:
-                    kept = [line for line in f if line.strip() and json.loads(line)["step"] <= state["step"]]
-            with open(f"{self.metrics_path}.tmp", "w", encoding="utf-8") as f:
-                f.writelines(kept)
-            os.replace(f"{self.metrics_path}.tmp", self.metrics_path)
-            if self.cfg.wandb:
-                import wandb  # optional: only when asked for
-
-                self.wandb = wandb.init(project="nanomind", name=os.path.basename(os.path.normpath(self.cfg.out_dir)),
-                                        config=dataclasses.asdict(self.cfg))
-        self.t_start = self.t_log = time.time()
-        self.start_step = state["step"]
-        return state["step"]
-
-    @contextmanager
-    def time(self, phase: str):
-        """Wall time of one phase of the step. CUDA runs asynchronously, so there events are recorded and read
-        at the next log line instead of synchronising here."""
-        if self.run.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self.phase_events.append((phase, start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self.phase_s[phase] += time.perf_counter() - t0
-
-    def count(self, X: torch.Tensor):
-        """Call once per micro-batch: tokens (and FLOPs) processed, for tokens/s and MFU."""
-        self.tokens += X.numel()
-        self.flops += self.model.flops_per_token(X.size(1)) * X.numel()
-
-    def skip_nonfinite(self, optimizer, scaler, loss: torch.Tensor, grad_norm: torch.Tensor):
-        """Call before scaler.step(optimizer): if the loss or the gradient norm is NaN/Inf, this update is skipped
-        on the device, without a host sync. Fused AdamW skips the whole update (moments and step count too) when
-        optimizer.found_inf is 1 -- the mechanism GradScaler uses, and uses itself for float16. The skips, and the
-        first parameter with a non-finite gradient, are reported (and max_bad_steps enforced) at the next log."""
-        bad = ~torch.isfinite(loss + grad_norm)
-        if not scaler.is_enabled():
-            optimizer.found_inf = bad.float()
-        self.skipped += bad
-        self.bad_in_a_row = (self.bad_in_a_row + 1) * bad
-        # every trainable parameter has a gradient here, so this indexes the trainable parameters in order
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        first = (~torch.stack(torch._foreach_norm(grads)).isfinite()).int().argmax()
-        self.first_bad = torch.where(bad & (self.first_bad < 0), first, self.first_bad)
-
-    def check_skips(self, step: int, loss: float, grad_norm: float):
-        """At a log line: report the steps skipped since the last one; stop after max_bad_steps in a row."""
-        skipped, in_a_row, first = int(self.skipped), int(self.bad_in_a_row), int(self.first_bad)
-        if skipped > self.reported_skips:
-            names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-            where = f"; first non-finite gradient in {names[first]}" if 0 <= first < len(names) else ""
-            print0(f"step {step}: {skipped - self.reported_skips} update(s) skipped for a non-finite loss or gradient "
-                   f"norm (now loss {loss}, grad norm {grad_norm}){where}; {in_a_row} in a row")
-            self.reported_skips, self.first_bad = skipped, torch.full_like(self.first_bad, -1)
-        if in_a_row >= self.cfg.max_bad_steps:
-            raise NonFiniteError(f"{in_a_row} optimizer steps in a row had a non-finite loss or gradient: "
-                                 f"lower lr, check the data, or use bfloat16 instead of float16")
-
-    def grad_flow(self, step: int, model):
-        """Every grad_log_interval steps (0: never), a row of per-layer gradient norms. Call after unscale_."""
-        if self.cfg.grad_log_interval and step % self.cfg.grad_log_interval == 0:
-            self.write({"step": step, "layer_grad_norms": group_grad_norms(model)}, echo=False)
-
-    def perplexity(self, name: str, loss: float | None) -> dict:
-        """{name: exp(loss)} for a language-model loss; nothing for DPO, whose loss is no cross-entropy."""
-        return {} if loss is None or self.stage == "dpo" else {name: math.exp(min(loss, 700))}
-
-    def write(self, row: dict, echo: bool = True):
-        if not self.run.master:
-            return
-        with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-        if self.wandb is not None:
-            self.wandb.log(row, step=row["step"])
-        if echo:
-            print0(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
-
-    def log(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor, **extra):
-        """Call after every optimizer step; every log_interval steps (and the last) it writes a row. loss is the
-        mean over the accumulation window and the ranks. The .item()s here are the loop's only host syncs."""
-        if self.profiler is not None:
-            self.profiler.step()
-        if step % self.cfg.log_interval and step != self.max_steps:
-            return
-        loss_value, grad_norm_value = loss.item(), grad_norm.item()
-        self.check_skips(step, loss_value, grad_norm_value)
-        for phase, start, end in self.phase_events:  # synchronised by .item() above
-            self.phase_s[phase] += start.elapsed_time(end) / 1000
-        now, busy = time.time(), sum(self.phase_s.values()) or 1.0
-        seconds = now - self.t_log
-        row = {"step": step, "loss": loss_value, **self.perplexity("ppl", loss_value), "lr": lr,
-               "grad_norm": grad_norm_value, **{k: v.item() if torch.is_tensor(v) else v for k, v in extra.items()},
-               "tokens_per_s": self.tokens * self.run.world_size / seconds, "mfu": self.flops / seconds / self.peak_flops,
-               "mem_gb": peak_memory_gb(self.run.device), "skipped_steps": self.reported_skips,
-               **{f"frac_{p}": s / busy for p, s in self.phase_s.items()},
-               "elapsed_s": now - self.t_start,
-               "eta_s": (now - self.t_start) / (step - self.start_step) * (self.max_steps - step)}
-        self.write(row)
-        self.t_log, self.tokens, self.flops = now, 0, 0
-        self.phase_s, self.phase_events = dict.fromkeys(self.PHASES, 0.0), []
-
-    def _trace_ready(self, profiler):
-        path = os.path.join(self.cfg.out_dir, "trace.json")
-        profiler.export_chrome_trace(path)
-        print0(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
-        print0(f"profile of 3 steps written to {path} (open it in chrome://tracing or ui.perfetto.dev)")
-        self.profiler = None
-
-    def stop_requested(self, step: int) -> bool:
-        """A SIGINT/SIGTERM arrived; checked at log steps only, where all ranks agree without an extra sync."""
-        if (step % self.cfg.log_interval == 0 or step == self.max_steps) and self.stop.requested(self.run):
-            print0(f"stopped at step {step}; continue with --resume=True")
-            return True
-        return False
-
-    def evaluate(self, step: int, metrics_fn) -> dict[str, float]:
-        """Run metrics_fn() -> {name: value} and log it as an evaluation row (with val_ppl beside val_loss).
-        Its time does not count against the training tokens/s."""
-        t0 = time.time()
-        metrics = metrics_fn()
-        self.write({"step": step, **metrics, **self.perplexity("val_ppl", metrics.get("val_loss"))})
-        self.t_log += time.time() - t0
-        return metrics
-
-    def validate(self, step: int, metrics_fn, patience: int | None = None, threshold: float = 0.0) -> bool:
-        """Evaluate; save best.pt on a new lowest val_loss. With a patience: True (stop) once `patience`
-        evaluations in a row have not improved on the best by more than threshold."""
-        v = self.evaluate(step, metrics_fn)["val_loss"]
-        self.stale_evals = 0 if v < self.best_val_loss - threshold else self.stale_evals + 1
-        if v < self.best_val_loss:
-            self.best_val_loss = v
-            self.save(step, best=True)
-        if patience is not None and self.stale_evals >= patience:
-            print0(f"early stopping: {self.stale_evals} evaluations without an improvement of {threshold}; "
-                   f"best val_loss {self.best_val_loss:.4f}")
-            return True
-        return False
-
-    def save(self, step: int, best: bool = False):
-        """Checkpoint everything a resume needs: full-precision weights, optimizer, scaler, data position, every
-        rank's RNG states, config. Every rank must call this (RNG states are gathered); rank 0 writes."""
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scaler": self.scaler.state_dict(), "loader": self.loader.state_dict(), "step": step,
-                 "skipped": int(self.skipped), "best_val_loss": self.best_val_loss, "stale_evals": self.stale_evals,
-                 "stage": self.stage, "config": dataclasses.asdict(self.cfg),
-                 "model_config": dataclasses.asdict(self.model_cfg), "rng": gather_rng_states(self.run)}
-        if self.run.ddp:  # DDP keeps replicas identical; prove it rather than checkpoint one of many
-            state["rank_weight_diff"] = rank_weight_diff(self.model, self.run)
-            if state["rank_weight_diff"] > 0:
-                raise RuntimeError(f"ranks hold different weights (max |diff| {state['rank_weight_diff']:.3g})")
-        if not self.run.master:
-            return
-        if not all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point()):
-            raise NonFiniteError("refusing to save a model with non-finite weights")
-        t0 = time.time()
-        atomic_save(state, os.path.join(self.cfg.out_dir, "best.pt" if best else f"step_{step:07d}.pt"))
-        if not best:
-            for old in sorted(glob.glob(os.path.join(self.cfg.out_dir, "step_*.pt")))[: -self.cfg.keep_checkpoints]:
-                os.remove(old)
-        self.t_log += time.time() - t0  # saving is not training time

@@ -52,7 +52,8 @@ def test_sequence_logprobs_exclude_the_prompt_and_normalise_by_the_answer_length
     model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64))
     X, Y, M = pair_batch(tok, [tok.bos_id, 10, 11, 12, 13], [20, 21, 22, tok.eos_id], [30, tok.eos_id])
     summed = sequence_logprobs(model, X, Y, M, length_norm=False)
-    per_token = model.token_logprobs(X, Y)
+    logits, _ = model(X, Y)
+    per_token = logits.log_softmax(-1).gather(-1, Y[..., None])[..., 0]  # log p of each target
     assert torch.allclose(summed, (per_token * M).sum(-1))
     assert torch.allclose(sequence_logprobs(model, X, Y, M, length_norm=True), summed / torch.tensor([4.0, 2.0]))
     changed = Y.clone()
@@ -92,7 +93,7 @@ def test_the_reference_cache_is_kept_per_dtype_and_attention_path(tiny_sft, demo
             f"--dtype={dtype}", f"--flash={flash}")
     caches = sorted(tmp_path.glob("dpo.jsonl.ref-*.pt"), key=lambda c: c.stat().st_mtime_ns)  # runs 0, 1, 3
     assert len(caches) == 3
-    math32, bf16, sdpa32 = (torch.load(c)[0] for c in caches)  # the training pairs' (chosen, rejected) log-probs
+    math32, bf16, sdpa32 = (torch.load(c)["train"] for c in caches)  # the training pairs' (chosen, rejected) log-probs
     assert math32.shape == bf16.shape and not torch.equal(math32, bf16)  # bfloat16 log-probs are not float32 ones
     assert torch.allclose(math32, sdpa32, atol=1e-4)  # the same sums, rounded differently
 

@@ -221,13 +221,13 @@ def test_an_all_zero_mask_gives_a_finite_loss_and_zero_gradients():
     assert all(p.grad.abs().max() == 0 for p in model.parameters())
 
 
-def test_token_logprobs_are_the_negated_per_token_cross_entropy():
+def test_the_per_token_cross_entropy_is_the_negated_log_prob_of_each_target():
     model = tiny()
     data = batch(model)
     x, y = data[:, :-1], data[:, 1:]
     logits, _ = model(x, y)
     expected = logits.log_softmax(-1).gather(-1, y[..., None])[..., 0]
-    assert torch.allclose(model.token_logprobs(x, y), expected, atol=1e-5)
+    assert torch.allclose(-model(x, y, reduction="none")[1], expected, atol=1e-5)
 
 
 def test_grad_checkpoint_gives_the_same_loss_and_gradients():
