@@ -23,7 +23,11 @@ import torch
 from tokenizer import load_tokenizer  # noqa: F401  (data.load_tokenizer is the documented entry point)
 
 
-class BadRecord(ValueError):
+class DataError(ValueError):
+    """A data file that cannot train: missing, malformed, or too small for the batch asked for."""
+
+
+class BadRecord(DataError):
     pass
 
 
@@ -356,7 +360,7 @@ def load_split(data_path: str, val_data_path: str | None, val_fraction: float, t
         return records, tokenize_file(val_data_path, tokenizer, kind, **kwargs)
     n_val = max(1, round(len(records) * val_fraction))
     if n_val >= len(records):
-        raise ValueError(f"{data_path}: {len(records)} records are too few to hold out {n_val} for validation")
+        raise DataError(f"{data_path}: {len(records)} records are too few to hold out {n_val} for validation")
     return records.split(len(records) - n_val)
 
 
@@ -407,7 +411,7 @@ class DPOData:
                      for a in (chosen, rejected))
 
 
-def collate(rows, pad_id: int):
+def pad_rows(rows, pad_id: int):
     """Rows of ids -> X, Y (n, T) int64 and loss_mask (n, T) float32, padded to the longest row in the batch
     (T = its length - 1); padded positions have mask 0."""
     T = max(len(ids) for ids, _ in rows) - 1
@@ -433,7 +437,7 @@ class Loader:
         self.epoch, self.pos = 0, 0
         self._order = (None, None)  # (epoch, its item order)
         if len(dataset) < world_size:
-            raise ValueError(f"{name}: {len(dataset)} items, fewer than the {world_size} ranks")
+            raise DataError(f"{name}: {len(dataset)} items, fewer than the {world_size} ranks")
 
     def __len__(self):
         """Full batches per epoch (per rank)."""
@@ -448,27 +452,27 @@ class Loader:
     def next_batch(self):
         """The next training batch: (X, Y, loss_mask, item indices) on the device."""
         if len(self) == 0:
-            raise ValueError(f"{self.name}: {len(self.dataset)} items cannot fill one batch of "
+            raise DataError(f"{self.name}: {len(self.dataset)} items cannot fill one batch of "
                              f"{self.batch_size} x {self.world_size} rank(s)")
         if self.pos == len(self):
             self.epoch, self.pos = self.epoch + 1, 0
         step = self.batch_size * self.world_size
         items = self.order(self.epoch)[self.pos * step : (self.pos + 1) * step][self.rank :: self.world_size]
         self.pos += 1
-        return self.collate(items)
+        return self.batch(items)
 
     def batches(self, limit: int):
         """For evaluation: this rank's share of the items in file order, at most `limit` batches (the last may
         be short). Leaves the training position alone."""
         mine = np.arange(self.rank, len(self.dataset), self.world_size)
         for start in range(0, min(len(mine), limit * self.batch_size), self.batch_size):
-            yield self.collate(mine[start : start + self.batch_size])
+            yield self.batch(mine[start : start + self.batch_size])
 
-    def collate(self, indices):
-        """(X, Y, loss_mask, item indices) on the device."""
+    def batch(self, indices):
+        """Items -> (X, Y, loss_mask, item indices) on the device."""
         items = [self.dataset[int(i)] for i in indices]
         rows = [item[j] for j in range(len(items[0])) for item in items]  # DPO: all chosen rows, then all rejected
-        batch = (*collate(rows, self.pad_id), torch.as_tensor(np.asarray(indices, dtype=np.int64)))
+        batch = (*pad_rows(rows, self.pad_id), torch.as_tensor(np.asarray(indices, dtype=np.int64)))
         if self.device.type == "cuda":  # pinned host memory lets the copy overlap with compute
             return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in batch)
         return batch

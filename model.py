@@ -18,21 +18,20 @@ from torch.utils.checkpoint import checkpoint
 
 @dataclass
 class ModelConfig:
-    dim: int = 512
+    # --- model: the architecture (saved in every checkpoint; SFT and DPO take it from init_from)
+    dim: int = 512  # width of the residual stream
     n_layers: int = 8
-    n_heads: int = 8
-    n_kv_heads: int = 2
-    vocab_size: int = 6400
-    max_seq_len: int = 512
+    n_heads: int = 8  # query heads; head_dim = dim / n_heads
+    n_kv_heads: int = 2  # key/value heads, shared by n_heads / n_kv_heads query heads each (GQA)
+    vocab_size: int = 6400  # at least the tokenizer's
+    max_seq_len: int = 512  # the context: training windows and generation never exceed it
     ffn_dim: int | None = None  # None -> SwiGLU rule: 8/3 * dim rounded up to a multiple of 64
-    rope_theta: float = 1e6
-    norm_eps: float = 1e-5
+    rope_theta: float = 1e6  # RoPE base
+    norm_eps: float = 1e-5  # RMSNorm epsilon
     dropout: float = 0.0
-    tie_embeddings: bool = True
-    # True: F.scaled_dot_product_attention (fused kernels); False: the explicit math path; None: SDPA on CUDA
-    # only -- on a CPU the math path, which skips the masked tiles, is faster (26m, bench.py on two 2-core AMD
-    # EPYC VMs: 8-12% more tokens/s in float32, 26-34% in bfloat16)
-    flash: bool | None = None
+    tie_embeddings: bool = True  # the LM head is the token embedding
+    # --- model switches: how it computes, not what
+    flash: bool | None = None  # attention: True SDPA, False the explicit math path; None: SDPA on CUDA only
     grad_checkpoint: bool = False  # recompute each block in backward: less memory, more compute
 
     def __post_init__(self):
@@ -293,8 +292,8 @@ class Transformer(nn.Module):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        # fused: one kernel for all parameters (on the CPU too: ~4x faster than foreach for 26m here), and it
-        # can skip a whole update on the device (train_utils.Progress.skip_nonfinite)
+        # fused: one kernel for all parameters (on the CPU too, faster than foreach), and it can skip a whole
+        # update on the device (train_utils.NonFiniteGuard)
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type in ("cuda", "cpu"))
 
 

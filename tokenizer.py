@@ -93,6 +93,10 @@ class Tokenizer:
         raise NotImplementedError
 
 
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be loaded; the message names it."""
+
+
 def _fingerprint(*files: Path) -> str:
     h = hashlib.sha256()
     for f in files:
@@ -109,7 +113,7 @@ def _read_ranks(path: Path) -> dict[bytes, int]:
             token, rank = line.split()
             ranks[base64.b64decode(token, validate=True)] = int(rank)
         except ValueError as e:  # includes binascii.Error
-            raise ValueError(f"{path}:{n}: not a 'base64-token rank' line") from e
+            raise TokenizerError(f"{path}:{n}: not a 'base64-token rank' line") from e
     return ranks
 
 
@@ -127,7 +131,7 @@ class TiktokenTokenizer(Tokenizer):
             self.enc = tiktoken.Encoding(name=str(directory), pat_str=meta["pattern"],
                                          mergeable_ranks=ranks, special_tokens=special)
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"cannot load tiktoken tokenizer from {directory}: {e}") from e
+            raise TokenizerError(f"cannot load tiktoken tokenizer from {directory}: {e}") from e
         self.bos_id, self.eos_id, self.pad_id = special["<s>"], special["</s>"], special["<pad>"]
         self.chat_tokens = {t: [special[t]] for t in CHAT_TOKENS}
         self.fingerprint = _fingerprint(ranks_file, meta_file)
@@ -154,7 +158,7 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self.sp = spm.SentencePieceProcessor(model_proto=model_file.read_bytes())
         except (OSError, RuntimeError) as e:
-            raise ValueError(f"cannot load SentencePiece model {model_file}: {e}") from e
+            raise TokenizerError(f"cannot load SentencePiece model {model_file}: {e}") from e
         sp = self.sp
         self.vocab_size, self.bos_id, self.eos_id = sp.vocab_size(), sp.bos_id(), sp.eos_id()
         # LLaMA-2's model has no pad piece (pad_id() == -1): pad with eos. So padding must be

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data import BadRecord
+from data import DataError
 from model import ModelConfig, Transformer
+from tokenizer import TokenizerError
 
 
 # -----------------------------------------------------------------------------
@@ -233,7 +234,7 @@ def cli(main):
     `error: ...` and exit status 2; a traceback means a bug."""
     try:
         main(sys.argv[1:])
-    except (ConfigError, CheckpointError, BadRecord, NonFiniteError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, DataError, TokenizerError, NonFiniteError, FileNotFoundError) as e:
         if master_process():
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -763,18 +764,17 @@ def clock(seconds: float) -> str:
 
 
 def console_line(row: dict, max_steps: int) -> str:
-    """What a person watches, in their units, on one line; the full row goes to metrics.jsonl."""
+    """What a person watches, in their units, on one line; the full row goes to metrics.jsonl (skipped updates
+    get a line of their own from NonFiniteGuard.report)."""
     parts = [f"step {row['step']}/{max_steps}"]
     if "val_loss" in row:  # an evaluation row
         parts += [f"{k} {v:.4g}" for k, v in row.items() if k.startswith("val_") and "logp" not in k]
         return " | ".join(parts)
-    parts += [f"loss {row['loss']:.4f}", f"lr {row['lr']:.2e}", f"grad {row['grad_norm']:.3g}"]
+    parts += [f"loss {row['loss']:.4g}", f"lr {row['lr']:.1e}", f"grad {row['grad_norm']:.3g}"]
     if "reward_acc" in row:  # DPO
-        parts += [f"acc {row['reward_acc']:.0%}", f"margin {row['reward_margin']:.3g}"]
+        parts.append(f"acc {row['reward_acc']:.0%} margin {row['reward_margin']:.3g}")
     tokens = row["tokens_per_s"]
-    parts += [f"{tokens / 1e3:.1f}k tok/s" if tokens >= 1e3 else f"{tokens:.0f} tok/s", f"MFU {row['mfu']:.1%}"]
-    if row["skipped_steps"]:
-        parts.append(f"skipped {row['skipped_steps']}")
+    parts += [f"{tokens / 1e3:.1f}k tok/s" if tokens >= 1e3 else f"{tokens:.0f} tok/s", f"MFU {row['mfu']:.0%}"]
     return " | ".join(parts + [f"{clock(row['elapsed_s'])} / ETA {clock(row['eta_s'])}"])
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from data import (BadRecord, DPOData, Loader, PretrainData, SFTData, collate, encode_chat, show_mask,
+from data import (BadRecord, DPOData, Loader, PretrainData, SFTData, encode_chat, pad_rows, show_mask,
                   tokenize_file)
 from tokenizer import load_tokenizer
 
@@ -109,7 +109,7 @@ def test_packing_brackets_documents_and_shifts_targets(tok, tmp_path):
     assert stream.tolist() == expected
     data = PretrainData(records, max_seq_len=16)
     assert len(data) == (len(expected) - 1) // 16
-    X, Y, M = collate([data[i][0] for i in range(len(data))], tok.pad_id)
+    X, Y, M = pad_rows([data[i][0] for i in range(len(data))], tok.pad_id)
     assert X.shape == Y.shape == M.shape == (len(data), 16)
     assert torch.equal(X[:, 1:], Y[:, :-1]) and torch.equal(X[1:, 0], Y[:-1, -1])  # windows share one token
     assert torch.equal(X.flatten(), torch.tensor(expected[: len(data) * 16]))
@@ -256,9 +256,9 @@ def test_loader_ranks_partition_the_global_batch_and_resume_exactly(tok, tmp_pat
     assert firsts(resumed, 3) == single[6:9]
 
 
-def test_collate_pads_to_the_longest_row_with_mask_zero():
+def test_pad_rows_pads_to_the_longest_row_with_mask_zero():
     rows = [(np.array([5, 6, 7]), np.array([0, 1, 1])), (np.array([8, 9, 10, 11, 12]), np.array([0, 0, 1, 1, 1]))]
-    X, Y, M = collate(rows, pad_id=0)
+    X, Y, M = pad_rows(rows, pad_id=0)
     assert X.tolist() == [[5, 6, 0, 0], [8, 9, 10, 11]]
     assert Y.tolist() == [[6, 7, 0, 0], [9, 10, 11, 12]]
     assert M.tolist() == [[1, 1, 0, 0], [0, 1, 1, 1]]

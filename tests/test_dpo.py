@@ -6,7 +6,7 @@ import torch
 
 import train_dpo
 from conftest import TINY_RUN, read_metrics
-from data import DPOData, collate, tokenize_file
+from data import DPOData, pad_rows, tokenize_file
 from model import ModelConfig, Transformer
 from tokenizer import load_tokenizer
 from train_dpo import dpo_loss, sequence_logprobs
@@ -43,7 +43,7 @@ def pair_batch(tok, prompt_ids, chosen_ids, rejected_ids):
     prompt = np.array(prompt_ids)
     rows = [(np.concatenate([prompt, a]), np.concatenate([np.zeros(len(prompt)), np.ones(len(a))]))
             for a in (np.array(chosen_ids), np.array(rejected_ids))]
-    return collate(rows, tok.pad_id)
+    return pad_rows(rows, tok.pad_id)
 
 
 def test_sequence_logprobs_exclude_the_prompt_and_normalise_by_the_answer_length():

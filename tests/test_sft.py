@@ -10,7 +10,7 @@ import torch
 import sample
 import train_sft
 from conftest import TINY_RUN, final_weights, read_metrics, train_losses
-from data import BadRecord, collate, encode_chat
+from data import BadRecord, encode_chat, pad_rows
 from model import ModelConfig, Transformer
 from tokenizer import load_tokenizer
 
@@ -33,7 +33,7 @@ def test_the_loss_ignores_user_and_system_targets():
     model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128))
     ids, mask = encode_chat(tok, [{"role": "user", "content": "What is 2 + 3?"},
                                   {"role": "assistant", "content": "2 + 3 = 5."}], system="Be brief.")
-    X, Y, M, = collate([(torch.tensor(ids).numpy(), torch.tensor(mask).numpy())], tok.pad_id)
+    X, Y, M, = pad_rows([(torch.tensor(ids).numpy(), torch.tensor(mask).numpy())], tok.pad_id)
     _, loss = model(X, Y, M)
     for t in range(Y.size(1)):
         changed = Y.clone()
