@@ -223,8 +223,9 @@ class Transformer(nn.Module):
     def forward(self, idx, targets=None, loss_mask=None, reduction: str = "mean",
                 caches: list[KVCache] | None = None, start_pos: int = 0):
         """With targets (B, T): (logits (B, T, V) float32, loss). loss is the mean cross-entropy over positions
-        where loss_mask is 1 (all positions when it is None), or with reduction="none" the per-token
-        cross-entropy (B, T), unmasked. Without targets: (logits of the last position (B, 1, V), None)."""
+        where loss_mask is 1 (all positions when it is None); with reduction="sum" their sum, with
+        reduction="none" the per-token cross-entropy (B, T), unmasked.
+        Without targets: (logits of the last position (B, 1, V), None)."""
         h = self.hidden_states(idx, caches, start_pos)
         if targets is None:
             return self.output(h[:, -1:]), None
@@ -232,6 +233,8 @@ class Transformer(nn.Module):
         ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
         if reduction == "none":
             return logits, ce
+        if reduction == "sum":
+            return logits, ce.sum() if loss_mask is None else (ce * loss_mask).sum()
         if loss_mask is None:
             return logits, ce.mean()
         # clamp: a batch with nothing to learn gives loss 0 (and zero gradients), never 0/0 = NaN

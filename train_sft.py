@@ -11,10 +11,10 @@ import torch
 
 from data import Loader, SFTData, load_split, load_tokenizer
 from train_utils import (Checkpoints, ConfigError, EarlyStopping, FinetuneConfig, MetricsLog, NonFiniteGuard,
-                         StepTimer, StopSignal, all_reduce_mean, checkpoint_to_resume, cli, clip_gradients, get_lr,
-                         group_grad_norms, load_config, measure_peak_flops, model_from_checkpoint, perplexity, print0,
-                         print_run, schedule_length, seed_rank, set_lr, setup, start_profiler, teardown,
-                         validation_loss, wrap)
+                         StepTimer, StopSignal, all_reduce_mean, all_reduce_sum, checkpoint_to_resume, cli,
+                         clip_gradients, get_lr, group_grad_norms, load_config, measure_peak_flops,
+                         model_from_checkpoint, perplexity, print0, print_run, schedule_length, seed_rank, set_lr,
+                         setup, start_profiler, teardown, validation_loss, wrap)
 
 
 @dataclasses.dataclass
@@ -80,19 +80,23 @@ def main(argv: list[str]):
 
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
+        # the step's loss is the mean over the answer tokens of all its micro-batches on all ranks, so that
+        # batch_size x accum_steps x ranks is exactly one big batch: count those tokens before any backward
+        with timer.phase("data"):
+            batches = [loader.next_batch() for _ in range(cfg.accum_steps)]
+            n_tokens = all_reduce_sum(sum(loss_mask.sum() for _, _, loss_mask, _ in batches), run).clamp(min=1)
         loss_sum = torch.zeros((), device=run.device)
-        for micro_step in range(cfg.accum_steps):
-            with timer.phase("data"):
-                X, Y, loss_mask, _ = loader.next_batch()
+        for micro_step, (X, Y, loss_mask, _) in enumerate(batches):
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
-                    _, loss = model(X, Y, loss_mask)  # mean over assistant tokens only
+                    _, ce_sum = model(X, Y, loss_mask, reduction="sum")  # over this micro-batch's answer tokens
+                    loss = ce_sum * run.world_size / n_tokens  # x world_size: DDP averages the ranks' gradients
                 with timer.phase("backward"):
-                    scaler.scale(loss / cfg.accum_steps).backward()
+                    scaler.scale(loss).backward()
             loss_sum += loss.detach()
             timer.count(X, raw_model.flops_per_token(X.size(1)))
         with timer.phase("optimizer"):
-            loss = all_reduce_mean(loss_sum / cfg.accum_steps, run)  # all ranks must step, or skip, alike
+            loss = all_reduce_mean(loss_sum, run)  # = the whole step's sum / n_tokens, the same on every rank
             grad_norm = clip_gradients(model, optimizer, scaler, cfg.max_grad_norm)
             if cfg.grad_log_interval and (step + 1) % cfg.grad_log_interval == 0:
                 log.write({"step": step + 1, "layer_grad_norms": group_grad_norms(raw_model)}, echo=False)

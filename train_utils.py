@@ -354,6 +354,13 @@ def teardown(run: Run):
         dist.destroy_process_group()
 
 
+def all_reduce_sum(t: torch.Tensor, run: Run) -> torch.Tensor:
+    if run.ddp:
+        t = t.clone()
+        dist.all_reduce(t)
+    return t
+
+
 def all_reduce_mean(t: torch.Tensor, run: Run) -> torch.Tensor:
     if run.ddp:
         t = t.clone()
