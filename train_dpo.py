@@ -13,16 +13,15 @@ import dataclasses
 import hashlib
 import math
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
 from data import DPOData, Loader, file_digest, load_split, load_tokenizer
-from train_utils import (Checkpoints, ConfigError, EarlyStopping, FinetuneConfig, MetricsLog, NonFiniteGuard,
-                         StepTimer, StopSignal, all_reduce_mean, checkpoint_to_resume, cli, clip_gradients, evaluate,
-                         get_lr, group_grad_norms, load_config, measure_peak_flops, model_from_checkpoint, print0,
-                         print_run, schedule_length, seed_rank, set_lr, setup, start_profiler, teardown, wrap)
+from train_utils import (ConfigError, EarlyStopping, FinetuneConfig, MetricsLog, StepTimer, StopSignal, all_reduce_mean,
+                         checkpoint_to_resume, cli, clip_gradients, evaluate, finetune_model, get_lr, load_config,
+                         model_from_checkpoint, prepare_training, print0, print_run, schedule_length, set_lr, setup,
+                         start_profiler, teardown, wrap)
 
 
 @dataclasses.dataclass
@@ -53,14 +52,14 @@ class Config(FinetuneConfig):
 METRICS = ["reward_margin", "reward_acc", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp"]
 
 
-def length_limits(cfg, max_seq_len: int) -> tuple[int, int]:
-    """(max_prompt_length, max_completion_length): as set, or splitting the model's max_seq_len + 1 tokens."""
+def fit_lengths(cfg, max_seq_len: int):
+    """cfg with max_prompt_length and max_completion_length as set, or splitting the model's max_seq_len + 1."""
     prompt = cfg.max_prompt_length or (max_seq_len + 1) // 2
     completion = cfg.max_completion_length or max_seq_len + 1 - prompt
     if prompt + completion > max_seq_len + 1:
         raise ConfigError(f"max_prompt_length + max_completion_length = {prompt + completion} exceeds the model's "
                           f"max_seq_len + 1 = {max_seq_len + 1} ({cfg.init_from})")
-    return prompt, completion
+    return dataclasses.replace(cfg, max_prompt_length=prompt, max_completion_length=completion)
 
 
 def sequence_logprobs(model, X, Y, loss_mask, length_norm: bool) -> torch.Tensor:
@@ -153,58 +152,53 @@ def validation_metrics(model, reference: Reference, val_loader, cfg, run) -> dic
     return {f"val_{k}": v for k, v in metrics.items()}
 
 
-def load_data(cfg, run, tokenizer, max_prompt_length: int, max_completion_length: int) -> tuple[Loader, Loader]:
+def load_data(cfg, run) -> tuple[Loader, Loader]:
     """Training and validation pairs; rank 0 tokenises (or finds the cache) first."""
+    tokenizer = load_tokenizer(cfg.tokenizer_path)
     with run.rank0_first():
         train_records, val_records = load_split(cfg.data_path, cfg.val_data_path, cfg.val_fraction, tokenizer, "dpo",
-                                                max_prompt_length=max_prompt_length, skip_bad=cfg.skip_bad,
-                                                max_completion_length=max_completion_length, verbose=run.master)
+                                                max_prompt_length=cfg.max_prompt_length, skip_bad=cfg.skip_bad,
+                                                max_completion_length=cfg.max_completion_length, verbose=run.master)
     loader_args = dict(pad_id=tokenizer.pad_id, device=run.device, seed=cfg.seed, rank=run.rank, world_size=run.world_size)
     return (Loader(DPOData(train_records), cfg.batch_size, name="training pairs", **loader_args),
             Loader(DPOData(val_records), cfg.batch_size, name="validation pairs", **loader_args))
 
 
+def make_reference(cfg, run, loader, val_loader) -> Reference:
+    """The frozen reference (ref_from, else init_from): a second model, or with precompute_ref its log-probs of
+    every pair, computed once by rank 0 and cached beside the data."""
+    if not cfg.precompute_ref:
+        return Reference(load_frozen(cfg.ref_from or cfg.init_from, run.device, cfg.flash), None, cfg.length_norm)
+    with run.rank0_first():
+        tables = reference_tables(cfg.ref_from or cfg.init_from, cfg, {"train": loader, "val": val_loader}, run)
+    return Reference(tables={split: table.to(run.device) for split, table in tables.items()})
+
+
 def main(argv: list[str]):
     (cfg,) = load_config(argv, Config)
     run = setup(cfg.device, cfg.dtype, cfg.seed)
-    # the SFT model (strictly: every key, every shape), with this run's switches
-    model, _ = model_from_checkpoint(cfg.init_from, run.device, flash=cfg.flash, grad_checkpoint=cfg.grad_checkpoint,
-                                     dropout=cfg.dropout)
+    model = finetune_model(cfg, run)
     model_cfg = model.config
-    prompt_len, completion_len = length_limits(cfg, model_cfg.max_seq_len)
-    cfg = dataclasses.replace(cfg, max_prompt_length=prompt_len, max_completion_length=completion_len)
+    cfg = fit_lengths(cfg, model_cfg.max_seq_len)
     print_run(cfg, model_cfg, run)
     resume_from = checkpoint_to_resume(cfg)
-    loader, val_loader = load_data(cfg, run, load_tokenizer(cfg.tokenizer_path), prompt_len, completion_len)
-    max_steps, warmup_steps = schedule_length(cfg, len(loader))
-    steps_per_epoch = max(1, len(loader) // cfg.accum_steps)
-    print0(f"{len(loader.dataset):,} training and {len(val_loader.dataset):,} validation pairs; "
-           f"{steps_per_epoch:,} steps per epoch, at most {max_steps:,} steps")
-    if cfg.precompute_ref:
-        with run.rank0_first():
-            tables = reference_tables(cfg.ref_from or cfg.init_from, cfg, {"train": loader, "val": val_loader}, run)
-        reference = Reference(tables={k: t.to(run.device) for k, t in tables.items()})
-    else:
-        reference = Reference(load_frozen(cfg.ref_from or cfg.init_from, run.device, cfg.flash), None, cfg.length_norm)
+    loader, val_loader = load_data(cfg, run)
+    max_steps, warmup_steps, steps_per_epoch = schedule_length(cfg, loader, val_loader, run)
+    reference = make_reference(cfg, run, loader, val_loader)
 
-    model.tok_embeddings.weight.requires_grad_(not cfg.freeze_embeddings)
-    seed_rank(cfg.seed, run)
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type)
-    scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")  # float16 only
-    guard = NonFiniteGuard(model, cfg.max_bad_steps, run.device)  # skips a NaN/Inf update
     early = EarlyStopping(cfg.early_stopping_patience, cfg.early_stopping_threshold)
-    checkpoints = Checkpoints(cfg, model_cfg, "dpo", run, model, optimizer, scaler, loader, guard, early)
+    optimizer, scaler, guard, checkpoints = prepare_training(cfg, model_cfg, "dpo", run, model, loader, early)
     step = checkpoints.resume(resume_from)
     raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
     log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
-    timer = StepTimer(run, cfg.peak_flops or measure_peak_flops(run.device, run.dtype), step, max_steps)
+    timer = StepTimer(run, cfg.peak_flops, step, max_steps)
     watch = FailureWatch()
 
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
         # DPO's loss is a mean over pairs, and every micro-batch holds batch_size pairs: the mean of the
         # micro-batches' means is the mean over the whole step's pairs, on every rank alike
-        loss_sum, metric_sums = torch.zeros((), device=run.device), torch.zeros(len(METRICS), device=run.device)
+        sums = torch.zeros(1 + len(METRICS), device=run.device)  # the loss, then METRICS
         for micro_step in range(cfg.accum_steps):
             with timer.phase("data"):
                 batch = loader.next_batch()
@@ -213,15 +207,13 @@ def main(argv: list[str]):
                     loss, metrics = pair_loss(model, reference, batch, "train", cfg)
                 with timer.phase("backward"):
                     scaler.scale(loss / cfg.accum_steps).backward()
-            loss_sum += loss.detach()
-            metric_sums += torch.stack([metrics[k].float() for k in METRICS])
+            sums += torch.stack([loss.detach(), *(metrics[k].float() for k in METRICS)])
             timer.count(batch[0], raw_model.flops_per_token(batch[0].size(1)))
         with timer.phase("optimizer"):
-            loss = all_reduce_mean(loss_sum / cfg.accum_steps, run)  # all ranks must step, or skip, alike
+            loss, *metrics = all_reduce_mean(sums / cfg.accum_steps, run)  # all ranks must step, or skip, alike
             grad_norm = clip_gradients(model, optimizer, scaler, cfg.max_grad_norm)
-            if cfg.grad_log_interval and (step + 1) % cfg.grad_log_interval == 0:
-                log.write({"step": step + 1, "layer_grad_norms": group_grad_norms(raw_model)}, echo=False)
-            guard.step(optimizer, scaler, loss, grad_norm)
+            log.grad_flow(step + 1, raw_model, cfg.grad_log_interval)
+            guard.step(optimizer, scaler, loss, grad_norm)  # a NaN/Inf update is skipped
         step += 1
         if profiler:
             profiler.step()
@@ -229,7 +221,7 @@ def main(argv: list[str]):
         stopping = False
         if step % cfg.log_interval == 0 or step == max_steps:  # the loop's only host syncs (.item())
             guard.report(step, loss.item(), grad_norm.item())
-            means = dict(zip(METRICS, all_reduce_mean(metric_sums / cfg.accum_steps, run).tolist()))
+            means = dict(zip(METRICS, torch.stack(metrics).tolist()))
             log.write({"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), **means,
                        "skipped_steps": guard.reported, **timer.read(step)})
             watch.update(loss.item(), means["chosen_logp"], step > warmup_steps)
@@ -247,6 +239,7 @@ def main(argv: list[str]):
         if stopping:
             print0(f"stopped at step {step}; continue with --resume=True")
             break
+    stop.restore()
     print0(f"done: step {step}, best val_loss {early.best:.4f}, checkpoints in {cfg.out_dir}")
     teardown(run)
 

@@ -6,16 +6,15 @@ Pretraining: next-token prediction on packed documents.
     python train_pretrain.py --help                                          # every key, its default and meaning
 """
 import dataclasses
-import sys
 
 import torch
 
 from data import Loader, PretrainData, load_split, load_tokenizer
 from model import ModelConfig, Transformer
-from train_utils import (Checkpoints, ConfigError, EarlyStopping, MetricsLog, NonFiniteGuard, StepTimer, StopSignal,
-                         TrainConfig, all_reduce_mean, checkpoint_to_resume, cli, clip_gradients, get_lr,
-                         group_grad_norms, load_config, measure_peak_flops, perplexity, print0, print_run,
-                         schedule_length, seed_rank, set_lr, setup, start_profiler, teardown, validation_loss, wrap)
+from train_utils import (ConfigError, EarlyStopping, MetricsLog, StepTimer, StopSignal, TrainConfig, all_reduce_mean,
+                         checkpoint_to_resume, cli, clip_gradients, get_lr, load_config, perplexity, prepare_training,
+                         print0, print_run, schedule_length, set_lr, setup, start_profiler, teardown, validation_loss,
+                         wrap)
 
 
 @dataclasses.dataclass
@@ -47,23 +46,16 @@ def main(argv: list[str]):
     print_run(cfg, model_cfg, run)
     resume_from = checkpoint_to_resume(cfg)
     loader, val_loader = load_data(cfg, model_cfg, run)
-    max_steps, warmup_steps = schedule_length(cfg, len(loader))
-    print0(f"{len(loader.dataset):,} training and {len(val_loader.dataset):,} validation windows of "
-           f"{model_cfg.max_seq_len + 1} tokens; {max_steps:,} steps of "
-           f"{cfg.batch_size * cfg.accum_steps * run.world_size * model_cfg.max_seq_len:,} tokens")
+    max_steps, warmup_steps, _ = schedule_length(cfg, loader, val_loader, run)
 
     model = Transformer(model_cfg).to(run.device)
     print0(f"{model.num_params():,} parameters")
-    seed_rank(cfg.seed, run)
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type)
-    scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")  # float16 only
-    guard = NonFiniteGuard(model, cfg.max_bad_steps, run.device)  # skips a NaN/Inf update
     best = EarlyStopping()  # no patience: it only tracks the best validation loss
-    checkpoints = Checkpoints(cfg, model_cfg, "pretrain", run, model, optimizer, scaler, loader, guard, best)
+    optimizer, scaler, guard, checkpoints = prepare_training(cfg, model_cfg, "pretrain", run, model, loader, best)
     step = checkpoints.resume(resume_from)
     raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
     log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
-    timer = StepTimer(run, cfg.peak_flops or measure_peak_flops(run.device, run.dtype), step, max_steps)
+    timer = StepTimer(run, cfg.peak_flops, step, max_steps)
 
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
@@ -81,9 +73,8 @@ def main(argv: list[str]):
         with timer.phase("optimizer"):
             loss = all_reduce_mean(loss_sum / cfg.accum_steps, run)  # all ranks must step, or skip, alike
             grad_norm = clip_gradients(model, optimizer, scaler, cfg.max_grad_norm)
-            if cfg.grad_log_interval and (step + 1) % cfg.grad_log_interval == 0:
-                log.write({"step": step + 1, "layer_grad_norms": group_grad_norms(raw_model)}, echo=False)
-            guard.step(optimizer, scaler, loss, grad_norm)
+            log.grad_flow(step + 1, raw_model, cfg.grad_log_interval)
+            guard.step(optimizer, scaler, loss, grad_norm)  # a NaN/Inf update is skipped
         step += 1
         if profiler:
             profiler.step()
@@ -106,6 +97,7 @@ def main(argv: list[str]):
         if stopping:
             print0(f"stopped at step {step}; continue with --resume=True")
             break
+    stop.restore()
     print0(f"done: step {step}, best val_loss {best.best:.4f}, checkpoints in {cfg.out_dir}")
     teardown(run)
 

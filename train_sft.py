@@ -5,16 +5,14 @@ Supervised fine-tuning: teach a pretrained model the chat template, with loss on
     python train_sft.py --help                                        # every key, its default and meaning
 """
 import dataclasses
-import sys
 
 import torch
 
 from data import Loader, SFTData, load_split, load_tokenizer
-from train_utils import (Checkpoints, ConfigError, EarlyStopping, FinetuneConfig, MetricsLog, NonFiniteGuard,
-                         StepTimer, StopSignal, all_reduce_mean, all_reduce_sum, checkpoint_to_resume, cli,
-                         clip_gradients, get_lr, group_grad_norms, load_config, measure_peak_flops,
-                         model_from_checkpoint, perplexity, print0, print_run, schedule_length, seed_rank, set_lr,
-                         setup, start_profiler, teardown, validation_loss, wrap)
+from train_utils import (ConfigError, EarlyStopping, FinetuneConfig, MetricsLog, StepTimer, StopSignal, all_reduce_mean,
+                         all_reduce_sum, checkpoint_to_resume, cli, clip_gradients, get_lr, finetune_model, load_config,
+                         perplexity, prepare_training, print0, print_run, schedule_length,
+                         set_lr, setup, start_profiler, teardown, validation_loss, wrap)
 
 
 @dataclasses.dataclass
@@ -36,8 +34,11 @@ class Config(FinetuneConfig):
     warmup_ratio: float | None = 0.05
 
 
-def load_data(cfg, run, tokenizer) -> tuple[Loader, Loader]:
+def load_data(cfg, model_cfg, run) -> tuple[Loader, Loader]:
     """Training and validation conversations; rank 0 tokenises (or finds the cache) first."""
+    if cfg.max_seq_len > model_cfg.max_seq_len:
+        raise ConfigError(f"max_seq_len {cfg.max_seq_len} exceeds the model's {model_cfg.max_seq_len} ({cfg.init_from})")
+    tokenizer = load_tokenizer(cfg.tokenizer_path)
     with run.rank0_first():
         train_records, val_records = load_split(cfg.data_path, cfg.val_data_path, cfg.val_fraction, tokenizer, "sft",
                                                 max_len=cfg.max_seq_len + 1, skip_bad=cfg.skip_bad, verbose=run.master)
@@ -49,34 +50,22 @@ def load_data(cfg, run, tokenizer) -> tuple[Loader, Loader]:
 def main(argv: list[str]):
     (cfg,) = load_config(argv, Config)
     run = setup(cfg.device, cfg.dtype, cfg.seed)
-    # the pretrained model (strictly: every key, every shape), with this run's switches
-    model, _ = model_from_checkpoint(cfg.init_from, run.device, flash=cfg.flash, grad_checkpoint=cfg.grad_checkpoint,
-                                     dropout=cfg.dropout)
+    model = finetune_model(cfg, run)
     model_cfg = model.config
-    if cfg.max_seq_len > model_cfg.max_seq_len:
-        raise ConfigError(f"max_seq_len {cfg.max_seq_len} exceeds the model's {model_cfg.max_seq_len} ({cfg.init_from})")
     print_run(cfg, model_cfg, run)
     resume_from = checkpoint_to_resume(cfg)
-    loader, val_loader = load_data(cfg, run, load_tokenizer(cfg.tokenizer_path))
-    max_steps, warmup_steps = schedule_length(cfg, len(loader))
-    steps_per_epoch = max(1, len(loader) // cfg.accum_steps)
-    print0(f"{len(loader.dataset):,} training and {len(val_loader.dataset):,} validation conversations; "
-           f"{steps_per_epoch:,} steps per epoch, at most {max_steps:,} steps")
+    loader, val_loader = load_data(cfg, model_cfg, run)
+    max_steps, warmup_steps, steps_per_epoch = schedule_length(cfg, loader, val_loader, run)
 
-    model.tok_embeddings.weight.requires_grad_(not cfg.freeze_embeddings)
-    seed_rank(cfg.seed, run)
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type)
-    scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")  # float16 only
-    guard = NonFiniteGuard(model, cfg.max_bad_steps, run.device)  # skips a NaN/Inf update
     early = EarlyStopping(cfg.early_stopping_patience, cfg.early_stopping_threshold)
-    checkpoints = Checkpoints(cfg, model_cfg, "sft", run, model, optimizer, scaler, loader, guard, early)
+    optimizer, scaler, guard, checkpoints = prepare_training(cfg, model_cfg, "sft", run, model, loader, early)
     step = checkpoints.resume(resume_from)
     raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
     log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
     if step == 0:  # the pretrained model on the validation conversations: what SFT improves on
         val_loss = validation_loss(raw_model, val_loader, cfg.eval_steps, run)
         log.write({"step": 0, "val_loss": val_loss, "val_ppl": perplexity(val_loss)})
-    timer = StepTimer(run, cfg.peak_flops or measure_peak_flops(run.device, run.dtype), step, max_steps)
+    timer = StepTimer(run, cfg.peak_flops, step, max_steps)
 
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
@@ -98,9 +87,8 @@ def main(argv: list[str]):
         with timer.phase("optimizer"):
             loss = all_reduce_mean(loss_sum, run)  # = the whole step's sum / n_tokens, the same on every rank
             grad_norm = clip_gradients(model, optimizer, scaler, cfg.max_grad_norm)
-            if cfg.grad_log_interval and (step + 1) % cfg.grad_log_interval == 0:
-                log.write({"step": step + 1, "layer_grad_norms": group_grad_norms(raw_model)}, echo=False)
-            guard.step(optimizer, scaler, loss, grad_norm)
+            log.grad_flow(step + 1, raw_model, cfg.grad_log_interval)
+            guard.step(optimizer, scaler, loss, grad_norm)  # a NaN/Inf update is skipped
         step += 1
         if profiler:
             profiler.step()
@@ -124,6 +112,7 @@ def main(argv: list[str]):
         if stopping:
             print0(f"stopped at step {step}; continue with --resume=True")
             break
+    stop.restore()
     print0(f"done: step {step}, best val_loss {early.best:.4f}, checkpoints in {cfg.out_dir}")
     teardown(run)
 

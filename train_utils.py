@@ -376,11 +376,16 @@ def print_run(cfg, model_cfg, run: Run):
         print0("warning: most CPUs emulate float16 matmuls, far slower than float32: use bfloat16 or float32")
 
 
-def schedule_length(cfg, batches_per_epoch: int) -> tuple[int, int]:
-    """(max_steps, warmup_steps): max_steps if set, else epochs of whole accumulated steps."""
-    max_steps = cfg.max_steps or cfg.epochs * max(1, batches_per_epoch // cfg.accum_steps)
+def schedule_length(cfg, loader, val_loader, run: Run) -> tuple[int, int, int]:
+    """(max_steps, warmup_steps, steps_per_epoch), printed with the data's size: max_steps if set, else epochs
+    of whole accumulated steps."""
+    steps_per_epoch = max(1, len(loader) // cfg.accum_steps)
+    max_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     warmup_steps = round(cfg.warmup_ratio * max_steps) if cfg.warmup_ratio is not None else cfg.warmup_steps
-    return max_steps, warmup_steps
+    print0(f"{len(loader.dataset):,} {loader.name} and {len(val_loader.dataset):,} {val_loader.name}; {max_steps:,} "
+           f"steps of {cfg.batch_size} x {cfg.accum_steps} accum x {run.world_size} rank(s), {steps_per_epoch:,} "
+           f"per epoch, {warmup_steps:,} of warmup")
+    return max_steps, warmup_steps, steps_per_epoch
 
 
 def wrap(model, cfg, run: Run):
@@ -562,6 +567,15 @@ def model_from_checkpoint(path: str, device="cpu", **overrides):
     return model.to(device), state
 
 
+def finetune_model(cfg, run: Run) -> Transformer:
+    """SFT and DPO: the init_from model (strictly: every key, every shape) with this run's switches (flash,
+    grad_checkpoint, dropout) and, with freeze_embeddings, its token embedding frozen."""
+    model, _ = model_from_checkpoint(cfg.init_from, run.device, flash=cfg.flash, grad_checkpoint=cfg.grad_checkpoint,
+                                     dropout=cfg.dropout)
+    model.tok_embeddings.weight.requires_grad_(not cfg.freeze_embeddings)
+    return model
+
+
 def latest_checkpoint(out_dir: str) -> str | None:
     paths = sorted(glob.glob(os.path.join(out_dir, "step_*.pt")))
     return paths[-1] if paths else None
@@ -649,13 +663,28 @@ class EarlyStopping:
         self.best, self.stale = state["best"], state["stale"]
 
 
+def prepare_training(cfg, model_cfg, stage: str, run: Run, model, loader, early):
+    """(optimizer, scaler, guard, checkpoints) for a built model: AdamW, the GradScaler (enabled for float16 only:
+    bfloat16 has float32's range), the non-finite guard, and the checkpoints that save them all."""
+    seed_rank(cfg.seed, run)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type)
+    scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")
+    guard = NonFiniteGuard(model, cfg.max_bad_steps, run.device)
+    checkpoints = Checkpoints(cfg, model_cfg, stage, run, model, optimizer, scaler, loader, guard, early)
+    return optimizer, scaler, guard, checkpoints
+
+
 class StopSignal:
     """SIGINT/SIGTERM set a flag; the loop checks it between optimizer steps, saves and exits."""
 
     def __init__(self):
         self.received = False
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handler)
+        self.previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore(self):
+        """Give the signals back (a process that goes on after training, e.g. a notebook, gets Ctrl-C back)."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def _handler(self, signum, frame):
         if self.received:  # a second Ctrl-C: the user means it
@@ -718,7 +747,9 @@ class StepTimer:
     PHASES = ("data", "forward", "backward", "optimizer")
 
     def __init__(self, run: Run, peak_flops: float, start_step: int, max_steps: int):
-        self.run, self.peak_flops, self.start_step, self.max_steps = run, peak_flops, start_step, max_steps
+        """peak_flops: the device's, for MFU; 0: measured now (measure_peak_flops)."""
+        self.run, self.start_step, self.max_steps = run, start_step, max_steps
+        self.peak_flops = peak_flops or measure_peak_flops(run.device, run.dtype)
         self.t_start = self.t_last = time.time()
         self.tokens = self.flops = 0  # this rank's, since the last read
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
@@ -785,6 +816,14 @@ def console_line(row: dict, max_steps: int) -> str:
     return " | ".join(parts + [f"{clock(row['elapsed_s'])} / ETA {clock(row['eta_s'])}"])
 
 
+def parse_row(line: str) -> dict | None:
+    """A metrics.jsonl row; None for a blank line or one a crash cut short (the last line of a killed run)."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
+
+
 class MetricsLog:
     """out_dir/metrics.jsonl, one JSON row per log step and per evaluation, and a short line on the console.
     Rank 0 writes. On resume, rows after the checkpoint's step are dropped: the run writes them again."""
@@ -796,7 +835,7 @@ class MetricsLog:
         kept = []
         if start_step and os.path.exists(self.path):
             with open(self.path, encoding="utf-8") as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
+                kept = [line for line in f if (row := parse_row(line)) and row["step"] <= start_step]
         with open(f"{self.path}.tmp", "w", encoding="utf-8") as f:
             f.writelines(kept)
         os.replace(f"{self.path}.tmp", self.path)
@@ -805,6 +844,11 @@ class MetricsLog:
 
             self.wandb = wandb.init(project="nanomind", name=os.path.basename(os.path.normpath(cfg.out_dir)),
                                     config=dataclasses.asdict(cfg))
+
+    def grad_flow(self, step: int, model, interval: int):
+        """Every `interval` steps (0: never) a row of per-layer gradient norms. Call after clip_gradients."""
+        if interval and step % interval == 0:
+            self.write({"step": step, "layer_grad_norms": group_grad_norms(model)}, echo=False)
 
     def write(self, row: dict, echo: bool = True):
         if not self.run.master:

@@ -129,15 +129,16 @@ def test_auto_dtype_is_what_the_device_runs_well(monkeypatch, device, bf16, expe
 # --- DPO's lengths default to what fits the model ---------------------------------------------------
 
 def test_dpo_lengths_default_to_the_model_context_and_an_overlong_pair_is_an_error():
-    (cfg,) = load_config([], train_dpo.Config)
-    assert train_dpo.length_limits(cfg, 511) == (256, 256)  # MiniMind's 256 + 256 for its 512-token models
-    assert train_dpo.length_limits(cfg, 64) == (32, 33)
-    (cfg,) = load_config(["--max_prompt_length=20"], train_dpo.Config)
-    assert train_dpo.length_limits(cfg, 64) == (20, 45)
-    (cfg,) = load_config(["--max_prompt_length=40", "--max_completion_length=40"], train_dpo.Config)
+    def lengths(flags, max_seq_len):
+        cfg = train_dpo.fit_lengths(load_config(flags, train_dpo.Config)[0], max_seq_len)
+        return cfg.max_prompt_length, cfg.max_completion_length
+
+    assert lengths([], 511) == (256, 256)  # MiniMind's 256 + 256 for its 512-token models
+    assert lengths([], 64) == (32, 33)
+    assert lengths(["--max_prompt_length=20"], 64) == (20, 45)
     with pytest.raises(ConfigError, match="max_prompt_length \\+ max_completion_length = 80 exceeds the model's "
                                           "max_seq_len \\+ 1 = 65"):
-        train_dpo.length_limits(cfg, 64)
+        lengths(["--max_prompt_length=40", "--max_completion_length=40"], 64)
 
 
 # --- the console line -----------------------------------------------------------------------------------
