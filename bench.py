@@ -9,18 +9,17 @@ decoding against recomputation; tokenisation and batching throughput.
     python bench.py configs/26m.py --mode=generate                 # batch 1 and 8, 256 new tokens
     python bench.py configs/26m.py --mode=data --batch_size=8
 
-Bench's own keys are those of Bench below; every other --key=value goes to the training script (sft/dpo: model
-keys shape the random-init checkpoint they start from; generate/data: model, batch_size, device, dtype). A
-variant is a space-separated list of key=value overrides on top of those; each runs in a fresh subprocess, so
-its peak memory (CUDA max allocated, or peak RSS on the CPU) is its own. The script runs `steps` warm-up steps,
+Bench's own keys are those of Bench below; every other --key=value goes to the training script (sft/dpo: model keys
+shape the random-init checkpoint they start from; generate/data: model, batch_size, device, dtype); --help lists
+both. A variant is a space-separated list of key=value overrides on top of those; each runs in a fresh subprocess,
+so its peak memory (CUDA max allocated, or peak RSS on the CPU) is its own. The script runs `steps` warm-up steps,
 then `steps` more, each logged (and timed) on its own: tokens/s, ms/step, MFU and the time split are those of the
-fastest of them, tokens_per_s_median and mfu_median those of the median one. MFU is against the measured matmul
-peak of the run's dtype: peak_repeats measurements before the first variant and after every one, the best of all of
-them in the whole bench run. On a shared VM the speed of the same work can move by half from second to second, so
-the fastest step against the fastest matmul, both sampled over the same minutes, compares like with like, and the
-median shows what a long run sees. other_load is how many cores other processes kept busy meanwhile (from
-/proc/stat; a VM's neighbours on the same host do not show in it). The last line of output is one JSON object with
-every figure.
+fastest of them, tokens_per_s_median and mfu_median those of the median one. MFU is against the measured matmul peak
+of the run's dtype: peak_repeats measurements before the first variant and after every one, the best of all of them
+in the whole bench run. On a shared VM the speed of the same work can move by half from second to second, so the
+fastest step against the fastest matmul, both sampled over the same minutes, compares like with like, and the median
+shows what a long run sees. other_load is how many cores other processes kept busy meanwhile (from /proc/stat; a
+VM's neighbours on the same host do not show in it). The last line of output is one JSON object with every figure.
 """
 import dataclasses
 import json
@@ -41,7 +40,7 @@ import train_pretrain
 import train_sft
 from data import Loader, PretrainData, load_tokenizer, tokenize_file
 from model import ModelConfig, Transformer
-from train_utils import ConfigError, load_config, measure_peak_flops, read_config_file, setup
+from train_utils import ConfigError, cli, help_text, load_config, measure_peak_flops, read_config_file, setup
 
 
 @dataclasses.dataclass
@@ -50,10 +49,10 @@ class Bench:
     mode: str = "train"  # train | sft | dpo | generate | data
     steps: int = 5  # steps 1..N warm up (allocations settle), N+1..2N are timed one by one
     peak_repeats: int = 3  # measure_peak_flops runs before the first variant and after each (unless --peak_flops)
-    # --- generate
+    # --- mode=generate
     prompt_tokens: int = 64
     new_tokens: int = 256
-    # --- data
+    # --- mode=data
     data_mb: float = 20.0  # size of the synthetic file to tokenise when no --data_path is given
 
 
@@ -62,6 +61,7 @@ SCRIPTS = {"train": train_pretrain, "sft": train_sft, "dpo": train_dpo}
 DEFAULT_VARIANTS = {"dpo": ["precompute_ref=False", "precompute_ref=True"]}
 GENERATE_BATCH_SIZES = (1, 8)
 NEVER = 10**9  # an eval/save interval the run never reaches: it evaluates (1 batch) and saves only at the end
+USAGE = 'usage: python bench.py [config_file.py] [--key=value ...] [--variants "key=value ..." ...]'
 
 
 def key(flag: str) -> str:
@@ -72,10 +72,29 @@ def keys(*schemas) -> set[str]:
     return {f.name for schema in schemas for f in dataclasses.fields(schema)}
 
 
+def stage_schemas(mode: str) -> tuple:
+    """The dataclasses a mode's flags fill: the stage script's Config (generate and data read a few of
+    train_pretrain's) and the model's."""
+    return SCRIPTS.get(mode, train_pretrain).Config, ModelConfig
+
+
+def print_help(argv: list[str]):
+    """Bench's keys, then those of the stage --mode names (default: train), under bench's own usage line."""
+    (bench,) = load_config([a for a in argv if key(a) == "mode"], Bench)
+    schemas = stage_schemas(bench.mode)
+    keys = help_text((Bench, *schemas), ()).split("\n", 1)[1]  # without its usage line, which knows no variants
+    print(f"{USAGE}\nBench's keys, then those of {schemas[0].__module__}.py and the model (--mode=sft --help, "
+          f"--mode=dpo --help: theirs); a variant sets the latter.\n{keys}")
+
+
 def parse_args(argv: list[str]) -> tuple[Bench, list[str], list[str]]:
     """`[config_file] [--key=value ...] [--variants "k=v k=v" ...]` -> (bench settings, the run's flags with
-    the config file's settings first, the variants)."""
+    the config file's settings first, the variants). Every variant's keys are checked here: a typo in the last
+    would otherwise stop the bench after the first variants have run."""
     argv = list(argv)
+    if "-h" in argv or "--help" in argv:
+        print_help(argv)
+        raise SystemExit(0)
     flags = []
     if argv and not argv[0].startswith("--"):
         flags = [f"--{k}={v!r}" for k, v in read_config_file(argv.pop(0)).items()]  # parse_flag_value reads repr
@@ -89,14 +108,21 @@ def parse_args(argv: list[str]) -> tuple[Bench, list[str], list[str]]:
     if bench.mode not in (*SCRIPTS, "generate", "data"):
         raise ConfigError(f"mode must be train, sft, dpo, generate or data, got {bench.mode!r}")
     flags += [a for a in argv if key(a) not in keys(Bench)]
-    return bench, flags, variants or DEFAULT_VARIANTS.get(bench.mode, [""])
+    variants = variants or DEFAULT_VARIANTS.get(bench.mode, [""])
+    for variant in variants:
+        resolve(bench.mode, flags + variant_flags(variant))
+    return bench, flags, variants
+
+
+def variant_flags(variant: str) -> list[str]:
+    return [f"--{kv}" for kv in variant.split()]
 
 
 def resolve(mode: str, flags: list[str]):
     """(script config, model config) the flags give; an unknown key is an error that names it."""
+    schema = stage_schemas(mode)[0]
     if mode not in ("sft", "dpo"):
-        return load_config(flags, train_pretrain.Config, ModelConfig)
-    schema = SCRIPTS[mode].Config
+        return load_config(flags, schema, ModelConfig)
     unknown = {key(f) for f in flags} - keys(schema, ModelConfig)
     if unknown:
         raise ConfigError(f"unknown config key(s) {sorted(unknown)} for train_{mode}.py or ModelConfig")
@@ -139,6 +165,7 @@ class Synthetic:
             return self.documents(n_items * model_cfg.max_seq_len + model_cfg.max_seq_len)
         if mode == "sft":
             return [self.conversation(cfg.max_seq_len + 1) for _ in range(n_items)]
+        cfg = train_dpo.fit_lengths(cfg, model_cfg.max_seq_len)  # the prompt and answer lengths the script will use
         return [self.pair(cfg.max_prompt_length, cfg.max_completion_length) for _ in range(n_items)]
 
 
@@ -146,9 +173,6 @@ def run_stage(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_o
     """One variant of train/sft/dpo: synthetic data (and a random-init checkpoint to start from), the script
     as a subprocess, then its metrics rows (one per step) -> the measured figures."""
     mode, given = bench.mode, {key(f) for f in flags}
-    if mode == "dpo":  # the script's 256 + 256 fit max_seq_len 512 only; split any other length alike
-        limit = (resolve(mode, flags)[1].max_seq_len + 1) // 2
-        flags = [f"--{k}={limit}" for k in ("max_prompt_length", "max_completion_length") if k not in given] + flags
     cfg, model_cfg = resolve(mode, flags)
     run = setup(cfg.device, cfg.dtype, cfg.seed)
     peak = cfg.peak_flops or peak_of(run.device, run.dtype, again=False)  # for the script's own MFU column
@@ -319,7 +343,7 @@ def main(argv: list[str]) -> dict:
         print(f"{bench.mode} {variant or 'base'} ...", file=sys.stderr, flush=True)
         (all0, own0), t0 = cpu_seconds(), time.time()
         with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
-            measured = RUNNERS[bench.mode](bench, flags + [f"--{kv}" for kv in variant.split()], tmp, synth, peak_of)
+            measured = RUNNERS[bench.mode](bench, flags + variant_flags(variant), tmp, synth, peak_of)
         (all1, own1), seconds = cpu_seconds(), time.time() - t0
         other_load = ((all1 - all0) - (own1 - own0)) / seconds  # cores other processes kept busy meanwhile
         rows += [{"variant": variant or "base", **row, "other_load": other_load} for row in measured]
@@ -341,4 +365,4 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli(main)

@@ -1,5 +1,5 @@
 """
-One-shot checks to run before a long job: the sanity checks of the debugging notes (spec 003, 001).
+One-shot checks to run before a long job: each finds in minutes a bug that would otherwise show hours into training.
 
     python diagnose.py overfit configs/26m.py --batch_size=4     # can the model memorise one batch?
     python diagnose.py lr_find configs/26m.py --data_path=data/pretrain_hq.jsonl   # loss vs lr sweep
@@ -7,8 +7,9 @@ One-shot checks to run before a long job: the sanity checks of the debugging not
     python diagnose.py activations configs/26m.py                # NaN/Inf, dead or huge activations, odd weights
     python diagnose.py memory configs/26m.py --batch_size=32      # estimated vs measured training memory
 
-Keys: Config below and the model's (ModelConfig in model.py), from a config file and --key=value flags.
-Without data_path, batches are random tokens. PNGs go to out_dir.
+Keys: Config below and the model's (ModelConfig in model.py), from a config file and --key=value flags; a
+training config works as it is (its keys that mean nothing here are named once and dropped). Without data_path,
+batches are random tokens. PNGs go to out_dir. `python diagnose.py --help` lists every key.
 """
 import ctypes
 import dataclasses
@@ -16,7 +17,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 from contextlib import nullcontext
 
 import matplotlib
@@ -26,16 +26,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import train_dpo  # noqa: E402
+import train_pretrain  # noqa: E402
+import train_sft  # noqa: E402
 from data import (BadRecord, Loader, PretrainData, SFTData, encode_chat, encode_pretrain, encode_sft,  # noqa: E402
                   show_mask, tokenize_file)
 from model import ATTENTION_TILE, ModelConfig, Transformer  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
-from train_utils import ConfigError, load_config, set_lr, setup  # noqa: E402
+from train_utils import ConfigError, cli, help_text, load_config, set_lr, setup  # noqa: E402
 
 
 @dataclasses.dataclass
 class Config:
     # --- I/O
+    # a training config's out_dir applies too: the PNGs go beside that run's metrics.jsonl, where they belong; no
+    # training script writes these names, and a fresh run refuses only a directory that holds checkpoints
     out_dir: str = "out/diagnose"  # lr_find.png, lengths.png
     # --- data
     data_path: str | None = None  # None: random tokens (the data command needs a file)
@@ -252,9 +257,9 @@ def check_activations(model, batch, max_abs: float = 1e4) -> list[tuple[str, str
 # memory
 
 def estimate_memory(model_cfg: ModelConfig, batch_size: int, dtype: str, device_type: str) -> dict[str, int]:
-    """Bytes of training. Weights, gradients and AdamW's two moments as in the notes (001: gradients = weights,
-    Adam = 2 x weights), all float32: autocast keeps float32 weights. Activations: what autograd saves per token,
-    counted from model.py (the notes' B * T * params * 0.001 rule of thumb ignores the architecture)."""
+    """Bytes of training. Weights, gradients and AdamW's two moments: 4 + 4 + 8 bytes per parameter, all float32
+    (autocast keeps float32 weights). Activations: what autograd saves per token, counted layer by layer from
+    model.py (a rule of thumb per parameter misses attention's growth with T and the head's with vocab_size)."""
     with torch.device("meta"):  # shapes only, no memory
         n_params = Transformer(model_cfg).num_params()
     c, T, tokens = model_cfg, model_cfg.max_seq_len, batch_size * model_cfg.max_seq_len
@@ -382,47 +387,78 @@ OVERFIT_CHECKLIST = """A model that cannot memorise one batch has a bug. Check:
   - the forward pass: causal attention mask, residual connections, norms
   - the learning rate: try --lr=1e-3 .. 1e-2 and more --steps"""
 
+COMMANDS = {"overfit": "can the model memorise one batch? (one that cannot has a bug)",
+            "lr_find": "loss against an exponentially growing lr: lr_find.png and a suggested lr",
+            "data": "lengths, duplicates and (kind=sft) the loss mask of data_path: lengths.png",
+            "activations": "NaN/Inf, dead or huge activations in one forward pass, and odd weights",
+            "memory": "estimated against measured training memory"}
+USAGE = f"usage: python diagnose.py {{{'|'.join(COMMANDS)}}} [config_file.py] [--key=value ...]"
+SCHEMAS = (Config, ModelConfig)
+TRAINING = (train_pretrain.Config, train_sft.Config, train_dpo.Config)  # their configs work here as they are
+
+
+def print_help():
+    """The commands, then every key with its default and comment: load_config's list under diagnose's usage line
+    (load_config's own names no command)."""
+    ignored = {f.name for schema in TRAINING for f in dataclasses.fields(schema)}
+    ignored -= {f.name for schema in SCHEMAS for f in dataclasses.fields(schema)}
+    keys = help_text(SCHEMAS, ignored).split("\n", 1)[1]
+    print("\n".join([USAGE, *(f"  {name:<12} {what}" for name, what in COMMANDS.items()), keys]))
+
+
+def report_overfit(model, batch, cfg: Config, run):
+    losses, passed = overfit(model, batch, cfg.steps, cfg.lr, autocast=run.autocast)
+    print("loss: " + " ".join(f"{v:.3f}" for v in losses[:: max(1, len(losses) // 20)]) + f" ... {losses[-1]:.3f}")
+    if passed:
+        print(f"✓ pass: the loss fell below 10% of its start ({losses[0]:.3f} -> {losses[-1]:.3f}) in {len(losses)} steps")
+    else:
+        print(f"✗ fail: after {len(losses)} steps the loss is {losses[-1]:.3f}, not below 10% of {losses[0]:.3f}.\n"
+              + OVERFIT_CHECKLIST)
+
+
+def report_lr_find(model, next_batch, cfg: Config, run):
+    if cfg.data_path is None:
+        print("note: random tokens have nothing to learn; pass --data_path for a meaningful sweep")
+    lrs, losses, suggested = lr_find(model, next_batch, cfg.steps, autocast=run.autocast)
+    stop = f"stopped early at lr {lrs[-1]:.2e}: the loss exploded" if len(losses) < cfg.steps else "the full sweep"
+    print(f"{len(losses)} steps, {stop}\nsuggested lr {suggested:.2e} (steepest descent of the smoothed loss); "
+          f"try {suggested / 10:.2e} .. {suggested * 2:.2e}")
+    plot_lr_find(lrs, losses, suggested, path := os.path.join(cfg.out_dir, "lr_find.png"))
+    print(f"wrote {path}")
+
+
+def report_data(cfg: Config, model_cfg: ModelConfig):
+    if cfg.data_path is None:
+        raise ConfigError("the data command needs --data_path")
+    report = data_report(cfg.data_path, load_tokenizer(cfg.tokenizer_path), cfg.kind, model_cfg.max_seq_len,
+                         cfg.max_records)
+    print_data_report(report, cfg.kind, model_cfg.max_seq_len)
+    plot_lengths(report["lengths"], model_cfg.max_seq_len, path := os.path.join(cfg.out_dir, "lengths.png"))
+    print(f"wrote {path}")
+
 
 def main(argv: list[str]):
-    commands = ("overfit", "lr_find", "data", "activations", "memory")
-    if not argv or argv[0] not in commands:
-        raise SystemExit(f"usage: python diagnose.py {{{'|'.join(commands)}}} [config file] [--key=value ...]")
-    command, argv = argv[0], argv[1:]
-    cfg, model_cfg = load_config(argv, Config, ModelConfig)
+    if "-h" in argv or "--help" in argv:
+        print_help()
+        raise SystemExit(0)
+    if not argv or argv[0] not in COMMANDS:
+        raise ConfigError(USAGE + (f"; {argv[0]!r} is not a command" if argv else ""))
+    command = argv[0]
+    cfg, model_cfg = load_config(argv[1:], *SCHEMAS, ignored=TRAINING)
     if cfg.kind not in ("pretrain", "sft"):
         raise ConfigError(f"config key 'kind' must be pretrain or sft, got {cfg.kind!r}")
     run = setup(cfg.device, cfg.dtype, cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
     if command == "data":
-        if cfg.data_path is None:
-            raise ConfigError("the data command needs --data_path")
-        report = data_report(cfg.data_path, load_tokenizer(cfg.tokenizer_path), cfg.kind, model_cfg.max_seq_len,
-                             cfg.max_records)
-        print_data_report(report, cfg.kind, model_cfg.max_seq_len)
-        plot_lengths(report["lengths"], model_cfg.max_seq_len, path := os.path.join(cfg.out_dir, "lengths.png"))
-        print(f"wrote {path}")
-        return
+        return report_data(cfg, model_cfg)
     next_batch = batches(cfg, model_cfg, run.device)
     model = Transformer(model_cfg).to(run.device)
     print(f"{model.num_params():,} parameters; batches of {cfg.batch_size} x {model_cfg.max_seq_len} "
           f"{'random tokens' if cfg.data_path is None else 'from ' + cfg.data_path}, {run.dtype} on {run.device}")
     if command == "overfit":
-        losses, passed = overfit(model, next_batch(), cfg.steps, cfg.lr, autocast=run.autocast)
-        print("loss: " + " ".join(f"{v:.3f}" for v in losses[:: max(1, len(losses) // 20)]) + f" ... {losses[-1]:.3f}")
-        if passed:
-            print(f"✓ pass: the loss fell below 10% of its start ({losses[0]:.3f} -> {losses[-1]:.3f}) in {len(losses)} steps")
-        else:
-            print(f"✗ fail: after {len(losses)} steps the loss is {losses[-1]:.3f}, not below 10% of {losses[0]:.3f}.\n"
-                  + OVERFIT_CHECKLIST)
+        report_overfit(model, next_batch(), cfg, run)
     elif command == "lr_find":
-        if cfg.data_path is None:
-            print("note: random tokens have nothing to learn; pass --data_path for a meaningful sweep")
-        lrs, losses, suggested = lr_find(model, next_batch, cfg.steps, autocast=run.autocast)
-        stop = f"stopped early at lr {lrs[-1]:.2e}: the loss exploded" if len(losses) < cfg.steps else "the full sweep"
-        print(f"{len(losses)} steps, {stop}\nsuggested lr {suggested:.2e} (steepest descent of the smoothed loss); "
-              f"try {suggested / 10:.2e} .. {suggested * 2:.2e}")
-        plot_lr_find(lrs, losses, suggested, path := os.path.join(cfg.out_dir, "lr_find.png"))
-        print(f"wrote {path}")
+        report_lr_find(model, next_batch, cfg, run)
     elif command == "activations":
         issues = check_activations(model, next_batch())
         for name, problem in issues:
@@ -435,4 +471,4 @@ def main(argv: list[str]):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli(main)

@@ -6,7 +6,9 @@ Training curves and a health verdict from out_dir/metrics.jsonl; works while a r
 
 training.png: loss (train raw + smoothed, validation), lr, gradient norm, tokens/s, memory; DPO runs add reward
 margin and accuracy; runs that log frac_* add their step-time split. grad_flow.png: the latest per-layer gradient
-norms of runs that log them (grad_log_interval). The verdict rules are the debugging notes' (spec 003).
+norms of runs that log them (grad_log_interval). The verdict: rules of thumb for a sick run (NaN, a loss that does
+not fall, overfitting, oscillation, exploding or vanishing gradients, a stuck DPO loss), each with likely causes and
+remedies.
 """
 import argparse
 import json
@@ -81,7 +83,7 @@ class Verdict:
 
 
 def verdicts(rows: list[dict], window: int = 20) -> list[Verdict]:
-    """Every rule of the debugging notes that fires on these rows; [] when the run looks healthy."""
+    """Every rule that fires on these rows; [] when the run looks healthy."""
     out = []
     steps, loss = series(rows, "loss")
     _, grad_norm = series(rows, "grad_norm")
@@ -111,8 +113,8 @@ def verdicts(rows: list[dict], window: int = 20) -> list[Verdict]:
                                "dropout, weight decay, more data, early stopping, a smaller model"))
     last = finite[-100:]
     if len(last) >= 10:
-        # step-to-step noise around the trend: a loss falling fast is not an oscillation, so the spec's
-        # std/mean is taken of the differences (std(diff)/sqrt(2) is the std of the noise itself)
+        # step-to-step noise around the trend: a loss falling fast is not an oscillation, so std/mean is taken
+        # of the differences, not of the losses (std(diff)/sqrt(2) is the std of the noise itself)
         volatility = np.std(np.diff(last)) / math.sqrt(2) / abs(np.mean(last))
         if volatility > 0.1:
             out.append(Verdict("oscillation", f"train loss noise {volatility:.2f} x its mean over the last "

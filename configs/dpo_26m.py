@@ -1,4 +1,5 @@
-# DPO of the SFT 26M model on MiniMind-format preference pairs; the spec's recipe.
+# DPO of the SFT 26M model (configs/sft_26m.py) on MiniMind-format preference pairs. A small lr and beta 0.5
+# (larger = closer to the reference) keep the policy near the SFT model it starts from.
 out_dir = "out/dpo"
 init_from = "out/sft/best.pt"
 data_path = "data/dpo.jsonl"

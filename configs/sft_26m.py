@@ -1,4 +1,5 @@
-# SFT of the 26M model (configs/26m.py) on MiniMind-format conversations; the spec's recipe.
+# SFT of the 26M model (configs/26m.py) on MiniMind-format conversations: a small lr teaches the chat template
+# without wearing away what pretraining taught.
 out_dir = "out/sft"
 init_from = "out/pretrain/best.pt"
 data_path = "data/sft_mini_512.jsonl"

@@ -1,14 +1,20 @@
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 import bench
 import prepare_demo
 from conftest import TINY_MODEL
+from data import encode_dpo
 from model import Transformer
+from tokenizer import load_tokenizer
 from train_utils import ConfigError
 
 TINY = [*TINY_MODEL, "--device=cpu", "--peak_flops=1e12"]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def last_json(capsys) -> dict:
@@ -82,3 +88,50 @@ def test_data_mode_tokenises_a_file_and_times_the_loader(capsys):
     assert row["file_mb"] >= 0.05 and row["tokenise_mb_per_s_1proc"] > 0 and row["tokenise_mb_per_s_2proc"] > 0
     assert row["loader_tokens_per_s"] == pytest.approx(row["loader_batches_per_s"] * 2 * 32)
     assert result["rows"][0] == row
+
+
+def test_dpo_mode_fits_its_pairs_to_any_max_seq_len(capsys):
+    # max_seq_len 48: train_dpo splits its 49 tokens into 24 for the prompt and 25 for an answer, and the synthetic
+    # pairs must neither be cut by the split nor fall far short of it (the bench would time shorter sequences)
+    flags = [*TINY, "--max_seq_len=48"]
+    cfg, model_cfg = bench.resolve("dpo", flags)
+    prompt_limit, completion_limit = 24, 25
+    tok = load_tokenizer()
+    pairs = [encode_dpo(tok, pair)[0] for pair in bench.Synthetic(tok).stage_data("dpo", cfg, model_cfg, 50)]
+    assert all(len(p) <= prompt_limit and max(len(c), len(r)) <= completion_limit for p, c, r in pairs)
+    assert max(len(p) + max(len(c), len(r)) for p, c, r in pairs) > 49 / 2
+    (row,) = bench.main(["--mode=dpo", *flags, "--batch_size=2", "--steps=1", "--variants", "precompute_ref=True"])["rows"]
+    assert row["tokens_per_s"] > 0 and 0 < row["frac_forward"] < 1
+    with pytest.raises(ConfigError, match="max_prompt_length"):  # lengths the user sets are checked, not replaced
+        bench.main(["--mode=dpo", *flags, "--max_prompt_length=30", "--max_completion_length=30", "--steps=1",
+                    "--variants", "precompute_ref=True"])
+
+
+def run_script(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "bench.py", *args], cwd=REPO, capture_output=True, text=True)
+
+
+def help_flags(text: str) -> set[str]:
+    return {line.split()[0] for line in text.splitlines() if line.startswith("  --")}
+
+
+def test_help_lists_bench_keys_and_the_stage_keys(capsys):
+    done = run_script("--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python bench.py")
+    assert {"--steps=5", "--max_seq_len=512", "--lr=0.0005"} <= help_flags(done.stdout)  # bench's, model's, stage's
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--mode=dpo", "-h"])
+    assert stopped.value.code == 0
+    assert {"--steps=5", "--lr=5e-06", "--max_prompt_length=None"} <= help_flags(capsys.readouterr().out)
+
+
+def test_a_user_mistake_is_one_error_line_and_exit_status_2_before_anything_runs(capsys):
+    done = run_script("--bogus=1")
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: ") and "'bogus'" in done.stderr
+    assert "Traceback" not in done.stderr
+    for args, named in [(["--mode=sft", "--variants", "lr=1e-3", "lrr=2"], "'lrr'"), (["--mode=nope"], "'nope'")]:
+        with pytest.raises(ConfigError, match=named):
+            bench.main([*args, *TINY])
+        assert capsys.readouterr().out == ""  # not even the first variant ran: a typo in the last costs no wait

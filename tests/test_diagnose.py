@@ -1,5 +1,8 @@
 import json
 import math
+import os
+import subprocess
+import sys
 
 import matplotlib.image
 import pytest
@@ -7,10 +10,13 @@ import torch
 
 import diagnose
 import model as model_py
+from conftest import TINY_MODEL
 from model import ModelConfig, Transformer
 from tokenizer import load_tokenizer
+from train_utils import ConfigError
 
 TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, max_seq_len=32)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
@@ -147,3 +153,48 @@ def test_command_line_reads_a_config_file_and_flags(tmp_path, capsys):
     diagnose.main(["lr_find", *common, "--batch_size=2", "--steps=30"])
     assert "suggested lr" in capsys.readouterr().out
     assert matplotlib.image.imread(tmp_path / "lr_find.png").shape[:2] == (400, 700)
+
+
+def test_a_training_config_works_as_it_is_and_its_training_keys_are_named_once(tmp_path, capsys):
+    demo = os.path.join(REPO, "configs", "demo.py")  # out_dir, data_path, val_fraction, max_steps, lr, ... model keys
+    diagnose.main(["overfit", demo, *TINY_MODEL, "--data_path=None", "--device=cpu", "--dtype=float32",
+                   "--batch_size=2", "--steps=3", f"--out_dir={tmp_path / 'diag'}"])
+    out = capsys.readouterr().out
+    (ignoring,) = [line for line in out.splitlines() if line.startswith("ignoring training keys")]
+    ignored = ignoring.split(": ", 1)[1].split(", ")
+    assert {"val_fraction", "max_steps", "warmup_steps", "eval_interval"} <= set(ignored)
+    assert not {"lr", "batch_size", "out_dir", "data_path", "dim", "flash"} & set(ignored)  # those apply here
+    # the flags' tiny shape over the file's, with the default vocab_size (the file sets none)
+    n_params = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)).num_params()
+    assert f"{n_params:,} parameters; batches of 2 x 32 random tokens" in out
+    assert (tmp_path / "diag").is_dir()
+
+
+def run_script(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "diagnose.py", *args], cwd=REPO, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["overfit", "--help"]])
+def test_help_lists_the_commands_and_every_key_with_its_default(args):
+    done = run_script(*args)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python diagnose.py {overfit|lr_find|data|activations|memory}")
+    listed = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  --")}
+    assert {"--steps=100", "--lr=0.001", "--n_kv_heads=2"} <= listed  # diagnose's keys and the model's
+    assert "val_fraction" in done.stdout.splitlines()[-1]  # the training keys it accepts and ignores
+    assert "ignoring" not in done.stdout  # nothing ran
+
+
+@pytest.mark.parametrize("args, named", [(["overfit", "--stpes=5"], "'stpes'"), ([], "usage: python diagnose.py {")])
+def test_a_user_mistake_is_one_error_line_and_exit_status_2(args, named):
+    done = run_script(*args)
+    assert done.returncode == 2
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: ") and named in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args, named", [(["overfit", "--steps=many"], "'steps'"),
+                                         (["configs/demo.py"], "'configs/demo.py' is not a command")])
+def test_a_wrong_value_or_a_missing_command_is_a_config_error(args, named):
+    with pytest.raises(ConfigError, match=named):
+        diagnose.main(args)
