@@ -1,3 +1,4 @@
+import ast
 import json
 import os
 
@@ -95,9 +96,15 @@ def test_bad_conversations_are_rejected(tok, messages, reason):
 
 def test_show_mask_marks_every_token(tok):
     ids, mask = encode_chat(tok, CONVERSATION[1:3])
+    assert 0 < sum(mask) < len(mask)
     lines = show_mask(tok, ids, mask).splitlines()
     assert len(lines) == len(ids)
-    assert sum("✓" in line for line in lines) == sum(mask)
+    for i, line in enumerate(lines):  # "position id mark 'text'": the text is the repr of the token's decoding
+        position, token, mark, text = line.split(maxsplit=3)
+        assert (int(position), int(token), mark) == (i, ids[i], "✓" if mask[i] else "✗"), line
+        assert ast.literal_eval(text) == tok.decode([ids[i]]), line
+    assert lines[0].split() == ["0", str(tok.bos_id), "✗", "'<s>'"]
+    assert lines[-1].split() == [str(len(ids) - 1), str(tok.eos_id), "✓", "'</s>'"]
 
 
 def test_packing_brackets_documents_and_shifts_targets(tok, tmp_path):
