@@ -20,6 +20,7 @@ import torch
 from data import DPOData, Loader, encode_chat, load_tokenizer, tokenize_file
 from sample import load_model
 from train_dpo import sequence_logprobs
+from train_utils import cli
 
 HAN = re.compile(r"[\u4e00-\u9fff]")
 
@@ -115,4 +116,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -15,7 +15,7 @@ import torch
 
 from data import encode_chat, load_tokenizer
 from model import Transformer
-from train_utils import model_from_checkpoint
+from train_utils import cli, model_from_checkpoint
 
 
 def load_model(path: str, device: str = "cpu") -> tuple[Transformer, dict]:
@@ -111,4 +111,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

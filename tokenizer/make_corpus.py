@@ -96,4 +96,6 @@ def main(out_dir: str):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2 or sys.argv[1:] in (["-h"], ["--help"]):
+        raise SystemExit(__doc__ + "\nusage: python tokenizer/make_corpus.py [OUT_DIR (default: corpus)]")
     main(sys.argv[1] if len(sys.argv) > 1 else "corpus")
