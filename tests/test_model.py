@@ -3,7 +3,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import model as model_py
 from model import ModelConfig, Transformer, apply_rope
