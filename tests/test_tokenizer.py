@@ -174,8 +174,8 @@ def test_pattern_character_sets_are_disjoint():
 def test_pattern_cuts_text_the_same_in_python_re_and_tiktoken(bpe_dir):
     """tiktoken is given a vocabulary holding every substring of the text, so each chunk it finds
     becomes exactly one token: its tokens spell its chunks, which must be Python's chunks."""
-    trained = load_tokenizer(bpe_dir)  # uses the pattern as stored in its tokenizer.json
-    assert json.loads((bpe_dir / "tokenizer.json").read_text(encoding="utf-8"))["pattern"] == PATTERN
+    trained = load_tokenizer(bpe_dir)  # uses the pattern as stored in its nanomind.json
+    assert json.loads((bpe_dir / "nanomind.json").read_text(encoding="utf-8"))["pattern"] == PATTERN
     for text in CHECK[1:] + random_strings(300, seed=2):
         chunks = re.findall(PATTERN, text)
         assert "".join(chunks) == text  # the pattern matches every character
@@ -199,7 +199,7 @@ def test_trainer_is_deterministic(corpus, bpe_dir, tmp_path):
                "--vocab_size", str(BPE_VOCAB), "--out", str(out)]
         subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": seed})
         outs.append(out)
-    for name in ("tokenizer.tiktoken", "tokenizer.json"):
+    for name in ("tokenizer.tiktoken", "nanomind.json"):
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes() == (bpe_dir / name).read_bytes()
     fingerprint = load_tokenizer(bpe_dir).fingerprint
     assert load_tokenizer(outs[0]).fingerprint == fingerprint
@@ -229,7 +229,7 @@ def test_missing_or_garbled_files_name_the_path(bpe_dir, tmp_path):
         load_tokenizer(tmp_path / "nowhere")
     garbled = tmp_path / "garbled"
     garbled.mkdir()
-    (garbled / "tokenizer.json").write_bytes((bpe_dir / "tokenizer.json").read_bytes())
+    (garbled / "nanomind.json").write_bytes((bpe_dir / "nanomind.json").read_bytes())
     (garbled / "tokenizer.tiktoken").write_text("IQ== 0\nnot-base64! 1\n")
     with pytest.raises(ValueError, match=re.escape(str(garbled))):
         load_tokenizer(garbled)
