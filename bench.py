@@ -53,7 +53,7 @@ class Bench:
     prompt_tokens: int = 64
     new_tokens: int = 256
     # --- mode=data
-    data_mb: float = 20.0  # size of the synthetic file to tokenise when no --data_path is given
+    data_mb: float = 2000.0  # size of the synthetic file to tokenise when no --data_path is given (deleted after)
 
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -249,8 +249,69 @@ def run_generate(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, pea
     return rows
 
 
+TOKENISE = """import json, resource, sys, time
+from data import load_tokenizer, tokenize_file
+path, tokenizer_path, processes = sys.argv[1], sys.argv[2] or None, int(sys.argv[3])
+tokenizer = load_tokenizer(tokenizer_path)
+t0 = time.perf_counter()
+tokenize_file(path, tokenizer, "pretrain", processes=processes, verbose=False)
+own, workers = (resource.getrusage(who).ru_maxrss * 1024 for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+print(json.dumps({"seconds": time.perf_counter() - t0, "maxrss": own + processes * workers}))
+"""
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its descendants, from /proc (0 where there is none)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{entry}/stat") as f:  # "pid (comm) state ppid ...": comm may hold spaces
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            with open(f"/proc/{p}/statm") as f:  # size resident ... in pages
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            continue
+    return total
+
+
+def timed_tokenisation(path: str, tokenizer_path: str | None, processes: int, tmp: str) -> tuple[float, float]:
+    """(seconds, peak resident bytes of the process tree) of data.tokenize_file in a fresh process: its peak is
+    its own. The tree's RSS is sampled every 50 ms; without /proc, the process's and its workers' maxima."""
+    with open(f"{tmp}/tokenise.out", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", TOKENISE, path, tokenizer_path or "", str(processes)],
+                                cwd=REPO, stdout=out)
+        peak = 0
+        while proc.poll() is None:
+            peak = max(peak, tree_rss(proc.pid))
+            time.sleep(0.05)
+    if proc.returncode:
+        raise RuntimeError(f"tokenising {path} failed (exit status {proc.returncode})")
+    with open(f"{tmp}/tokenise.out") as f:
+        measured = json.loads(f.read().strip().splitlines()[-1])
+    return measured["seconds"], peak or measured["maxrss"]
+
+
+def write_pretraining_file(path: str, megabytes: float, rng: random.Random):
+    """Demo-style JSONL of about `megabytes`: each record joins 2-10 prepare_demo documents (~1.7 KB, about the
+    size of MiniMind's pretraining records), drawn from a pool so that writing GBs takes seconds, not minutes."""
+    pool = prepare_demo.documents(2000, 20, rng)
+    with open(path, "w", encoding="utf-8") as f:
+        while f.tell() < megabytes * 1e6:
+            f.writelines(json.dumps({"text": "\n".join(rng.choices(pool, k=rng.randint(2, 10)))}, ensure_ascii=False)
+                         + "\n" for _ in range(5000))
+
+
 def run_data(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
-    """Tokenisation MB/s of data.tokenize_file with 1 and 2 processes, and Loader.next_batch() calls per second."""
+    """Tokenisation MB/s and peak memory of data.tokenize_file with 1 and 2 processes, each from scratch in a
+    subprocess, on a generated file of data_mb (deleted with tmp); then Loader.next_batch() calls per second
+    from the memory-mapped cache."""
     cfg, model_cfg = resolve("data", flags)
     tokenizer = load_tokenizer(cfg.tokenizer_path)
     if "data_path" in {key(f) for f in flags}:  # a link in tmp: the cache is written beside it, not the file
@@ -258,17 +319,15 @@ def run_data(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of
         os.symlink(os.path.abspath(cfg.data_path), path)
     else:
         path = f"{tmp}/tokenise.jsonl"
-        with open(path, "w", encoding="utf-8") as f:
-            while f.tell() < bench.data_mb * 1e6:
-                f.writelines(json.dumps({"text": d}, ensure_ascii=False) + "\n"
-                             for d in prepare_demo.documents(5000, 20, synth.rng))
+        write_pretraining_file(path, bench.data_mb, synth.rng)
     size_mb, row = os.path.getsize(path) / 1e6, {}
     for processes in (1, 2):
         if os.path.exists(f"{path}.pretrain.cache"):
             os.remove(f"{path}.pretrain.cache")
-        t0 = time.perf_counter()
-        records = tokenize_file(path, tokenizer, "pretrain", processes=processes, verbose=False)
-        row[f"tokenise_mb_per_s_{processes}proc"] = size_mb / (time.perf_counter() - t0)
+        seconds, peak = timed_tokenisation(path, cfg.tokenizer_path, processes, tmp)
+        row[f"tokenise_mb_per_s_{processes}proc"] = size_mb / seconds
+        row[f"tokenise_peak_gb_{processes}proc"] = peak / 1e9
+    records = tokenize_file(path, tokenizer, "pretrain", verbose=False)  # the cache the last run wrote
     loader = Loader(PretrainData(records, model_cfg.max_seq_len), cfg.batch_size, tokenizer.pad_id,
                     setup(cfg.device, cfg.dtype, cfg.seed).device)
     n, t0 = 0, time.perf_counter()
@@ -276,7 +335,8 @@ def run_data(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of
         loader.next_batch()
         n += 1
     batches_per_s = n / (time.perf_counter() - t0)
-    return [{"file_mb": size_mb, **row, "loader_batches_per_s": batches_per_s,
+    return [{"file_mb": size_mb, "tokens": sum(len(s) for s in records.token_spans()), **row,
+             "loader_batches_per_s": batches_per_s,
              "loader_tokens_per_s": batches_per_s * cfg.batch_size * model_cfg.max_seq_len}]
 
 
@@ -289,8 +349,10 @@ COLUMNS = {"train": STAGE_COLUMNS, "sft": STAGE_COLUMNS, "dpo": STAGE_COLUMNS,
            "generate": {"batch_size": "{}", "prefill_tokens_per_s": "{:.0f}", "decode_tokens_per_s_cache": "{:.1f}",
                         "decode_tokens_per_s_recompute": "{:.1f}", "cache_speedup": "{:.1f}x",
                         "other_load": "{:.2f}"},
-           "data": {"file_mb": "{:.1f}", "tokenise_mb_per_s_1proc": "{:.2f}", "tokenise_mb_per_s_2proc": "{:.2f}",
-                    "loader_batches_per_s": "{:.0f}", "loader_tokens_per_s": "{:.3g}",
+           "data": {"file_mb": "{:.1f}", "tokens": "{:.3g}", "tokenise_mb_per_s_1proc": "{:.2f}",
+                    "tokenise_peak_gb_1proc": "{:.2f}", "tokenise_mb_per_s_2proc": "{:.2f}",
+                    "tokenise_peak_gb_2proc": "{:.2f}", "loader_batches_per_s": "{:.0f}",
+                    "loader_tokens_per_s": "{:.3g}",
                     "other_load": "{:.2f}"}}
 
 

@@ -5,17 +5,27 @@ From raw JSONL to the (X, Y, loss_mask) batches the training scripts consume.
   sft       {"conversations": [...]}           -> chat template; loss on assistant tokens and their </s> only
   dpo       {"prompt","chosen","rejected"} or {"chosen": [msgs], "rejected": [msgs]} -> prompt + two answers
 
-A file is tokenised once, in parallel processes, into a cache file beside it; the cache is reused while the
-file, the tokenizer and the encoding options are unchanged and rebuilt (atomically) when any of them changes.
+data_path names one file, a glob pattern ("data/pretrain_*.jsonl") or several of them separated by commas;
+the files are read as one, in that order (each pattern's matches sorted). Each file is tokenised once, in
+parallel processes, into FILE.<kind>.cache beside it (under ~/.cache/nanomind if its directory is read-only),
+streamed to disk chunk by chunk so that memory does not grow with the file; the cache is reused while the file,
+the tokenizer and the encoding options are unchanged, and rebuilt (atomically) when any of them changes.
+Training reads the caches memory-mapped: a corpus of many GB never has to fit in RAM.
 """
+import bisect
+import contextlib
+import datetime
+import glob
 import hashlib
 import json
 import multiprocessing
 import os
+import re
+import shutil
 import signal
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 
 import numpy as np
 import torch
@@ -164,98 +174,203 @@ ARRAYS = {"pretrain": ("tokens",), "sft": ("tokens", "mask"), "dpo": ("prompt", 
 
 
 # -----------------------------------------------------------------------------
-# tokenising a file in parallel, into a cache beside it
+# which files: data_path is one file, a glob pattern, or several of either separated by commas
 
-def read_units(path: str, chunk_lines: int = 2000):
-    """Yield (first line number, [raw units]) chunks: JSONL lines, or blank-line-separated documents of a .txt."""
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".txt"):
-            units, start, block = [], 1, []
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    start = lineno if not block else start
-                    block.append(line)
-                elif block:
-                    units.append((start, json.dumps({"text": "".join(block).rstrip("\n")})))
-                    block = []
-            if block:
-                units.append((start, json.dumps({"text": "".join(block).rstrip("\n")})))
-            for i in range(0, len(units), chunk_lines):
-                yield units[i : i + chunk_lines]
-        else:
-            chunk = []
-            for lineno, line in enumerate(f, 1):
-                chunk.append((lineno, line))
-                if len(chunk) == chunk_lines:
-                    yield chunk
-                    chunk = []
-            if chunk:
-                yield chunk
+CACHE_NAME = re.compile(rf"\.({'|'.join(ARRAYS)})\.cache(\.tmp.*)?$")  # FILE.<kind>.cache and its temp files
+
+
+def expand_paths(data_path: str) -> list[str]:
+    """'data/a.jsonl', 'data/pretrain_*.jsonl' or 'a.jsonl,more/*.txt' -> the files, in the order given, each
+    pattern's matches sorted (a stable order); the token caches data.py writes beside them never match."""
+    paths = []
+    for entry in [e.strip() for e in data_path.split(",") if e.strip()]:
+        if os.path.isfile(entry):
+            paths.append(entry)
+            continue
+        if not any(c in entry for c in "*?["):
+            raise FileNotFoundError(f"data file not found: {entry}")
+        found = sorted(p for p in glob.glob(entry) if os.path.isfile(p) and not CACHE_NAME.search(p))
+        if not found:
+            raise DataError(f"no data file matches {entry!r}")
+        paths += found
+    if not paths:
+        raise DataError(f"data_path {data_path!r} names no file")
+    twice = [p for p, n in Counter(paths).items() if n > 1]
+    if twice:
+        raise DataError(f"data_path {data_path!r} names {twice[0]} twice")
+    return paths
+
+
+def file_digest(path: str) -> str:
+    """blake2b of a file's bytes; of a data_path naming several files, of their names and digests."""
+    h = hashlib.blake2b(digest_size=16)
+    if not os.path.isfile(path):
+        for p in expand_paths(path):
+            h.update(f"{p}\0{file_digest(p)}\0".encode())
+        return h.hexdigest()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+# -----------------------------------------------------------------------------
+# a file is read in chunks of whole records; a worker process turns a chunk into token arrays
+
+CHUNK_BYTES = 1 << 20  # per task: amortises handing it to a worker; a few in flight bound the memory
+
+
+def count_lines(raw: bytes) -> int:
+    """Line ends in raw as Python's text mode counts them: \\n, \\r\\n and a lone \\r each end a line."""
+    return raw.count(b"\n") + raw.count(b"\r") - raw.count(b"\r\n")
+
+
+def read_chunks(path: str, chunk_bytes: int = CHUNK_BYTES):
+    """Yield (first line number, raw bytes) chunks of about chunk_bytes that cut no record: each ends at a
+    line end (JSONL) or after a blank line (.txt, whose documents are separated by blank lines)."""
+    lineno = 1
+    with open(path, "rb") as f:
+        while raw := f.read(chunk_bytes):
+            raw += f.readline()  # the rest of the line the read cut
+            if path.endswith(".txt"):
+                last, more = raw[raw.rfind(b"\n", 0, len(raw) - 1) + 1 :], []
+                while last.strip() and (last := f.readline()):
+                    more.append(last)
+                raw = b"".join([raw, *more])
+            yield lineno, raw
+            lineno += count_lines(raw)
+
+
+def text_lines(raw: bytes) -> list[bytes]:
+    """A chunk's lines without their ends, split as text mode splits them."""
+    lines = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+    return lines[:-1] if lines[-1] == b"" else lines
+
+
+def parse_line(line: bytes) -> dict | None:
+    """A JSONL line -> its record, None if the line is blank; BadRecord if it holds no JSON object."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRecord(f"not UTF-8 text (byte {e.start + 1})") from None
+    if not text.strip():
+        return None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRecord(f"malformed JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise BadRecord(f"expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def txt_documents(raw: bytes, lineno: int, path: str) -> list[tuple[int, dict]]:
+    """(first line number, {"text": document}) for the blank-line-separated documents of a .txt chunk."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # a whole .txt chunk is one piece of text: not skippable line by line
+        raise BadRecord(f"{path}:{lineno + count_lines(raw[: e.start])}: not UTF-8 text") from None
+    docs, block, start = [], [], lineno
+    for i, line in enumerate(text.replace("\r\n", "\n").replace("\r", "\n").split("\n"), lineno):
+        if line.strip():
+            start = i if not block else start
+            block.append(line)
+        elif block:
+            docs.append((start, {"text": "\n".join(block)}))
+            block = []
+    if block:
+        docs.append((start, {"text": "\n".join(block)}))
+    return docs
 
 
 _worker: dict = {}
 
 
-def _init_worker(tokenizer, kind, path, options, skip_bad):
+def _init_worker(tokenizer, kind, path, options, skip_bad, dtypes):
     # a forked worker inherits the trainer's handlers, under which SIGTERM would not end it: restore the
     # defaults, and leave Ctrl-C to the parent
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker.update(tokenizer=tokenizer, kind=kind, path=path, options=options, skip_bad=skip_bad)
+    _worker.update(tokenizer=tokenizer, kind=kind, path=path, options=options, skip_bad=skip_bad, dtypes=dtypes)
 
 
-def _encode_chunk(chunk):
-    """Worker: [(line number, raw line)] -> ([per-record arrays], Counter of notes and skipped reasons, bytes)."""
-    w = _worker
-    records, notes, n_bytes = [], Counter(), 0
-    for lineno, line in chunk:
-        n_bytes += len(line.encode("utf-8"))
-        if not line.strip():
-            continue
+def _encode_chunk(task):
+    """Worker: (first line number, raw chunk) -> ([per array name: the records' arrays end to end], lengths
+    (n_records, n_arrays), Counter of notes and skipped reasons, bytes read)."""
+    w, (lineno, raw) = _worker, task
+    txt = w["path"].endswith(".txt")
+    units = txt_documents(raw, lineno, w["path"]) if txt else enumerate(text_lines(raw), lineno)
+    columns, lengths, notes = [[] for _ in w["dtypes"]], [], Counter()
+    for lineno, unit in units:
         try:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise BadRecord(f"malformed JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise BadRecord(f"expected a JSON object, got {type(record).__name__}")
+            record = unit if txt else parse_line(unit)
+            if record is None:
+                continue
             arrays, record_notes = ENCODERS[w["kind"]](w["tokenizer"], record, **w["options"])
         except BadRecord as e:
             if not w["skip_bad"]:
                 raise BadRecord(f"{w['path']}:{lineno}: {e}") from None
             arrays, record_notes = None, [f"skipped: {e}"]
         if arrays is not None:
-            records.append(arrays)
+            for column, a in zip(columns, arrays):
+                column.append(a)
+            lengths.append([len(a) for a in arrays])
         notes.update(record_notes)
-    return records, notes, n_bytes
+    arrays = [np.concatenate(c).astype(dt) if c else np.zeros(0, dt) for c, dt in zip(columns, w["dtypes"])]
+    return arrays, np.array(lengths, dtype=np.int64).reshape(-1, len(columns)), notes, len(raw)
 
 
-def file_digest(path: str) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
+def array_dtypes(kind: str, tokenizer) -> list[np.dtype]:
+    ids = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+    return [np.dtype(np.uint8) if name == "mask" else ids for name in ARRAYS[kind]]
 
+
+def encode_chunks(path: str, tokenizer, kind: str, options: dict, skip_bad: bool, processes: int, chunk_bytes: int):
+    """The workers' results for path's chunks, in file order. At most two chunks per process are in flight, so
+    memory does not grow with the file, even when writing falls behind (Pool.imap would queue results)."""
+    initargs = (tokenizer, kind, path, options, skip_bad, array_dtypes(kind, tokenizer))
+    # leaving the block terminates the workers: they must die on SIGTERM (see _init_worker)
+    with multiprocessing.Pool(processes, _init_worker, initargs) as pool:
+        pending = deque()
+        for task in read_chunks(path, chunk_bytes):
+            pending.append(pool.apply_async(_encode_chunk, (task,)))
+            if len(pending) == 2 * processes:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# -----------------------------------------------------------------------------
+# the cache: a JSON header, then each array 64-byte aligned; built by streaming, committed by a rename
 
 CACHE_MAGIC, CACHE_VERSION = b"NANOMIND", 1
 
 
-def write_cache(path: str, key: str, arrays: dict[str, np.ndarray], info: dict):
-    """Header (JSON) then the arrays, 64-byte aligned; written to a temp file, fsynced and renamed into place,
-    so a reader sees the old cache or the complete new one, never half of one."""
+def cache_path(path: str, kind: str) -> str:
+    """FILE.<kind>.cache beside the file, or under ~/.cache/nanomind when the file's directory is read-only."""
+    if os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+        return f"{path}.{kind}.cache"
+    where = hashlib.blake2b(os.path.abspath(path).encode(), digest_size=8).hexdigest()
+    return os.path.join(os.path.expanduser("~"), ".cache", "nanomind", f"{os.path.basename(path)}.{where}.{kind}.cache")
+
+
+def write_cache(path: str, key: str, parts: dict[str, tuple[str, np.dtype]], info: dict):
+    """Header, then each array copied from its part file ({name: (part file, dtype)}); written to a temp file,
+    fsynced and renamed into place, so a reader sees the old cache or the complete new one, never half of one."""
     layout, offset = {}, 0
-    for name, a in arrays.items():
-        layout[name] = (a.dtype.str, offset, len(a))
-        offset += -(-a.nbytes // 64) * 64
+    for name, (part, dtype) in parts.items():
+        n = os.path.getsize(part) // dtype.itemsize
+        layout[name] = (dtype.str, offset, n)
+        offset += -(-n * dtype.itemsize // 64) * 64
     header = json.dumps({"key": key, "info": info, "layout": layout}).encode()
     start = -(-(len(CACHE_MAGIC) + 8 + len(header)) // 64) * 64
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(CACHE_MAGIC + len(header).to_bytes(8, "little") + header)
-        for name, a in arrays.items():
+        for name, (part, _) in parts.items():
             f.seek(start + layout[name][1])
-            f.write(np.ascontiguousarray(a).tobytes())
+            with open(part, "rb") as src:
+                shutil.copyfileobj(src, f, 1 << 20)
         f.truncate(start + offset)
         f.flush()
         os.fsync(f.fileno())
@@ -280,84 +395,172 @@ def read_cache(path: str, key: str):
         return None
 
 
-class Records:
-    """Ragged token arrays, one entry per record: records[i] -> tuple of 1-D arrays (e.g. tokens, mask)."""
+def remove_dead_temps(cache: str):
+    """Delete the temp files of builds that were killed (their process is gone); nothing ever reads them."""
+    for tmp in glob.glob(glob.escape(cache) + ".tmp*"):
+        pid = tmp[len(cache) + len(".tmp") :].split(".")[0]
+        if pid.isdigit() and not process_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
 
-    def __init__(self, arrays: dict[str, np.ndarray], names: tuple[str, ...], lo: int = 0, hi: int | None = None):
-        self.arrays, self.names = arrays, names
-        self.lo, self.hi = lo, len(arrays["offsets"]) - 1 if hi is None else hi
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        pass
+    return True
+
+
+class Progress:
+    """The tokenising line: MB done, MB/s, records, tokens, ETA; redrawn every 2 s on a terminal, and printed
+    every 30 s into a log."""
+
+    def __init__(self, path: str, verbose: bool):
+        self.path, self.verbose, self.size, self.done = path, verbose, os.path.getsize(path), 0
+        self.t0 = self.last = time.time()
+        self.tty = sys.stderr.isatty()
+
+    def update(self, n_bytes: int, records: int, tokens: int, final: bool = False):
+        self.done += n_bytes
+        if not self.verbose or not final and time.time() - self.last < (2 if self.tty else 30):
+            return
+        self.last = time.time()
+        rate = self.done / max(self.last - self.t0, 1e-9)
+        eta = datetime.timedelta(seconds=round((self.size - self.done) / max(rate, 1e-9)))
+        redraw = "\r" if self.tty else ""
+        print(f"{redraw}tokenising {self.path}: {self.done / 1e6:,.1f}/{self.size / 1e6:,.1f} MB, "
+              f"{rate / 1e6:.1f} MB/s, {records:,} records, {tokens / 1e6:,.1f}M tokens, ETA {eta}",
+              end="\n" if final or not self.tty else "", file=sys.stderr, flush=True)
+
+
+def build_cache(path: str, cache: str, key: str, tokenizer, kind: str, options: dict, skip_bad: bool,
+                processes: int, chunk_bytes: int, verbose: bool):
+    """Tokenise path into `cache`, streaming: each chunk's arrays are appended to one part file per array as they
+    arrive (memory holds a few chunks, whatever the file's size), and write_cache joins the parts at the end."""
+    names, dtypes = ARRAYS[kind], array_dtypes(kind, tokenizer)
+    tmp = f"{cache}.tmp{os.getpid()}"
+    parts = {name: f"{tmp}.{name}" for name in (*names, "offsets")}
+    ends, records, notes = np.zeros(len(names), dtype=np.int64), 0, Counter()  # ends: each array's length so far
+    progress = Progress(path, verbose)
+    try:
+        with contextlib.ExitStack() as stack:
+            files = {name: stack.enter_context(open(part, "wb")) for name, part in parts.items()}
+            files["offsets"].write(ends.tobytes())  # offsets (n_records + 1, n_arrays): row i = where record i starts
+            for arrays, lengths, chunk_notes, n_bytes in encode_chunks(path, tokenizer, kind, options, skip_bad,
+                                                                       processes, chunk_bytes):
+                for name, a in zip(names, arrays):
+                    files[name].write(a.tobytes())
+                files["offsets"].write((ends + np.cumsum(lengths, axis=0)).tobytes())
+                ends += lengths.sum(axis=0)
+                records += len(lengths)
+                notes.update(chunk_notes)
+                progress.update(n_bytes, records, int(ends[0]))
+        progress.update(0, records, int(ends[0]), final=True)
+        if records == 0:
+            raise BadRecord(f"{path}: no usable records")
+        info = {"records": records, "tokens": int(ends[0]), "notes": dict(notes)}
+        write_cache(cache, key, {name: (parts[name], dtype) for name, dtype in zip(names, dtypes)}
+                    | {"offsets": (parts["offsets"], np.dtype(np.int64))}, info)
+    finally:
+        for part in [*parts.values(), tmp]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(part)
+
+
+# -----------------------------------------------------------------------------
+# records of one or more files, memory-mapped from their caches
+
+class Records:
+    """Ragged token arrays, one entry per record, over the caches of one or more files as if they were one:
+    records[i] -> tuple of 1-D arrays (e.g. tokens, mask). Nothing is copied into RAM: the arrays stay
+    memory-mapped, so a corpus of many GB costs only the pages a batch touches."""
+
+    def __init__(self, files: list[dict[str, np.ndarray]], names: tuple[str, ...], lo: int = 0, hi: int | None = None):
+        self.files, self.names = files, names
+        self.starts = [0]  # (n_files + 1,): the first record of each file, counted across files
+        for arrays in files:
+            self.starts.append(self.starts[-1] + len(arrays["offsets"]) - 1)
+        self.lo, self.hi = lo, self.starts[-1] if hi is None else hi
 
     def __len__(self):
         return self.hi - self.lo
 
     def __getitem__(self, i):
-        off = self.arrays["offsets"][self.lo + i : self.lo + i + 2]  # (n_arrays + 1,) per record, row-major
-        return tuple(self.arrays[name][off[0, j] : off[1, j]] for j, name in enumerate(self.names))
+        if not 0 <= i < len(self):
+            raise IndexError(f"record {i} of {len(self)}")
+        f = bisect.bisect_right(self.starts, self.lo + i) - 1
+        arrays, r = self.files[f], self.lo + i - self.starts[f]
+        off = arrays["offsets"][r : r + 2]  # (2, n_arrays): where record r and the next one start
+        return tuple(arrays[name][off[0, j] : off[1, j]] for j, name in enumerate(self.names))
 
     def split(self, n_first: int) -> tuple["Records", "Records"]:
         cut = self.lo + n_first
-        return Records(self.arrays, self.names, self.lo, cut), Records(self.arrays, self.names, cut, self.hi)
+        return Records(self.files, self.names, self.lo, cut), Records(self.files, self.names, cut, self.hi)
+
+    def token_spans(self) -> list[np.ndarray]:
+        """The first array ('tokens', 'prompt') of records lo..hi-1 end to end: one memory-mapped slice per file."""
+        spans = []
+        for f, arrays in enumerate(self.files):
+            a, b = max(self.lo, self.starts[f]) - self.starts[f], min(self.hi, self.starts[f + 1]) - self.starts[f]
+            if a < b:
+                offsets = arrays["offsets"][:, 0]
+                spans.append(arrays[self.names[0]][offsets[a] : offsets[b]])
+        return spans
+
+
+def file_records(path: str, tokenizer, kind: str, skip_bad: bool, processes: int | None, verbose: bool,
+                 chunk_bytes: int, options: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """(memory-mapped arrays, info) of one file's cache, built first unless it is there and matches."""
+    key = json.dumps([CACHE_VERSION, kind, sorted(options.items()), skip_bad, tokenizer.fingerprint, file_digest(path)])
+    cache = cache_path(path, kind)
+    if read_cache(cache, key) is None:
+        os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
+        remove_dead_temps(cache)
+        if verbose:
+            print(f"tokenising {path} into {cache}{other_ranks_wait()}", file=sys.stderr, flush=True)
+        build_cache(path, cache, key, tokenizer, kind, options, skip_bad, processes or min(os.cpu_count() or 1, 8),
+                    chunk_bytes, verbose)
+    arrays, info = read_cache(cache, key)
+    arrays["offsets"] = arrays["offsets"].reshape(-1, len(ARRAYS[kind]))
+    return arrays, info
+
+
+def other_ranks_wait() -> str:
+    """Under torchrun, train_*.py let rank 0 tokenise while the other ranks wait (run.rank0_first()): say so."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return ""
+    others = torch.distributed.get_world_size() - 1
+    return f"; the other {others} rank(s) wait for it" if others else ""
 
 
 def tokenize_file(path: str, tokenizer, kind: str, skip_bad: bool = False, processes: int | None = None,
-                  verbose: bool = True, **options) -> Records:
-    """Records of a pretrain/sft/dpo file, from its cache when it matches, else tokenised in parallel and cached.
-    A bad line raises BadRecord naming file:line, or with skip_bad is skipped and counted."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"data file not found: {path}")
-    names = ARRAYS[kind]
-    key = json.dumps([CACHE_VERSION, kind, sorted(options.items()), skip_bad, tokenizer.fingerprint, file_digest(path)])
-    cache_path = f"{path}.{kind}.cache"
-    cached = read_cache(cache_path, key)
-    if cached is not None:
-        arrays, info = cached
-        return Records({k: v.reshape(-1, len(names)) if k == "offsets" else v for k, v in arrays.items()}, names)
-
-    size, done, t0, last = os.path.getsize(path), 0, time.time(), 0.0
-    columns, notes = [[] for _ in names], Counter()
-    processes = processes or min(os.cpu_count() or 1, 8)
-    # leaving the block terminates the workers: they must die on SIGTERM (see _init_worker)
-    with multiprocessing.Pool(processes, _init_worker, (tokenizer, kind, path, options, skip_bad)) as pool:
-        for records, chunk_notes, n_bytes in pool.imap(_encode_chunk, read_units(path)):
-            for arrays in records:
-                for column, a in zip(columns, arrays):
-                    column.append(a)
-            notes.update(chunk_notes)
-            done += n_bytes
-            if verbose and (time.time() - last > 2 or done >= size):
-                rate = done / max(time.time() - t0, 1e-9)
-                print(f"\rtokenising {path}: {done / 1e6:.1f}/{size / 1e6:.1f} MB, {rate / 1e6:.1f} MB/s, "
-                      f"ETA {(size - done) / max(rate, 1e-9):.0f}s", end="", file=sys.stderr, flush=True)
-                last = time.time()
-    if verbose:
-        print(file=sys.stderr)
-    if not columns[0]:
-        raise BadRecord(f"{path}: no usable records")
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-    lengths = np.array([[len(a) for a in column] for column in columns]).T  # (n_records, n_arrays)
-    offsets = np.zeros((len(lengths) + 1, len(names)), dtype=np.int64)
-    np.cumsum(lengths, axis=0, out=offsets[1:])
-    arrays = {name: np.concatenate(column).astype(np.uint8 if name == "mask" else dtype)
-              for name, column in zip(names, columns)}
-    arrays["offsets"] = offsets.reshape(-1)
-    info = {"records": len(lengths), "tokens": int(lengths[:, 0].sum()), "notes": dict(notes)}
-    if verbose:
-        print(f"{path}: {info['records']:,} records, {info['tokens']:,} tokens" +
-              "".join(f"; {n} x {what}" for what, n in sorted(notes.items())), file=sys.stderr)
-    try:
-        write_cache(cache_path, key, arrays, info)
-    except OSError as e:  # a read-only data directory: train from memory, just slower next time
-        print(f"warning: could not write the token cache {cache_path}: {e}", file=sys.stderr)
-    arrays["offsets"] = offsets
-    return Records(arrays, names)
+                  verbose: bool = True, chunk_bytes: int = CHUNK_BYTES, **options) -> Records:
+    """Records of a pretrain/sft/dpo data_path (a file, a glob pattern or several: see expand_paths), each file
+    from its cache when that matches, else tokenised in parallel and cached. A bad line raises BadRecord
+    naming file:line, or with skip_bad is skipped and counted."""
+    paths, files, records, tokens = expand_paths(path), [], 0, 0
+    for p in paths:
+        arrays, info = file_records(p, tokenizer, kind, skip_bad, processes, verbose, chunk_bytes, options)
+        files.append(arrays)
+        records, tokens = records + info["records"], tokens + info["tokens"]
+        if verbose:
+            print(f"{p}: {info['records']:,} records, {info['tokens']:,} tokens" +
+                  "".join(f"; {n} x {what}" for what, n in sorted(info["notes"].items())), file=sys.stderr)
+    if verbose and len(paths) > 1:
+        print(f"{path}: {len(paths)} files, {records:,} records, {tokens:,} tokens", file=sys.stderr)
+    return Records(files, ARRAYS[kind])
 
 
 def load_split(data_path: str, val_data_path: str | None, val_fraction: float, tokenizer, kind: str,
-               **kwargs) -> tuple[Records, Records]:
-    """(train, validation) records: val_data_path's if given, else the last val_fraction of data_path's."""
-    records = tokenize_file(data_path, tokenizer, kind, **kwargs)
+               **options) -> tuple[Records, Records]:
+    """(train, validation) records: val_data_path's if given, else the last val_fraction of data_path's records
+    (counted across all its files, in their order). options go to tokenize_file."""
+    records = tokenize_file(data_path, tokenizer, kind, **options)
     if val_data_path:
-        return records, tokenize_file(val_data_path, tokenizer, kind, **kwargs)
+        return records, tokenize_file(val_data_path, tokenizer, kind, **options)
     n_val = max(1, round(len(records) * val_fraction))
     if n_val >= len(records):
         raise DataError(f"{data_path}: {len(records)} records are too few to hold out {n_val} for validation")
@@ -369,19 +572,29 @@ def load_split(data_path: str, val_data_path: str | None, val_fraction: float, t
 
 class PretrainData:
     """Documents packed end to end, cut into windows of max_seq_len + 1 tokens (consecutive windows share
-    one token, so every token is a target exactly once); the tail that fills no window is dropped."""
+    one token, so every token is a target exactly once); the tail that fills no window is dropped. Several
+    files are one stream: a window may run from one file's last document into the next file's first."""
 
     def __init__(self, records: Records, max_seq_len: int):
-        offsets = records.arrays["offsets"][:, 0]
-        self.tokens = records.arrays["tokens"][offsets[records.lo] : offsets[records.hi]]
+        self.spans = records.token_spans()  # memory-mapped, one per file
+        self.starts = [0]  # (n_spans + 1,): where each span starts in the stream
+        for span in self.spans:
+            self.starts.append(self.starts[-1] + len(span))
         self.max_seq_len = max_seq_len
 
     def __len__(self):
-        return max(len(self.tokens) - 1, 0) // self.max_seq_len
+        return max(self.starts[-1] - 1, 0) // self.max_seq_len
 
     def __getitem__(self, i):
         start = i * self.max_seq_len
-        return ((self.tokens[start : start + self.max_seq_len + 1], None),)
+        end, s = start + self.max_seq_len + 1, bisect.bisect_right(self.starts, start) - 1
+        if end <= self.starts[s + 1]:  # within one file (nearly always): a view, no copy
+            return ((self.spans[s][start - self.starts[s] : end - self.starts[s]], None),)
+        pieces = []
+        while start < end:
+            pieces.append(self.spans[s][start - self.starts[s] : end - self.starts[s]])
+            start, s = self.starts[s + 1], s + 1
+        return ((np.concatenate(pieces), None),)
 
 
 class SFTData:

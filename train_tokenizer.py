@@ -2,6 +2,7 @@
 
     python train_tokenizer.py --input data/pretrain.jsonl --vocab_size 6400 --out tokenizer
     python train_tokenizer.py --input a.jsonl b.txt --out tok_sp --backend sentencepiece
+    python train_tokenizer.py --input data/pretrain_hq.jsonl --max_chars 200_000_000 --out tok   # a large corpus
 
 tiktoken backend (default): byte-level BPE trained here in pure Python, written as
 OUT/tokenizer.tiktoken + OUT/tokenizer.json. sentencepiece backend: OUT/tokenizer.model.
@@ -14,6 +15,7 @@ import base64
 import heapq
 import io
 import json
+import os
 import re
 import time
 from collections import Counter, defaultdict
@@ -41,6 +43,20 @@ def record_texts(record: object) -> list[str]:
     return texts
 
 
+def line_texts(line: bytes, where: str) -> list[str]:
+    """The texts of one JSONL line ([] if blank); `where` (file:line) names it in an error."""
+    if not line.strip():
+        return []
+    try:
+        record = json.loads(line)
+    except ValueError as e:  # bad JSON or bad UTF-8
+        raise ValueError(f"{where}: malformed JSON line: {e}") from None
+    texts = record_texts(record)
+    if not texts:
+        raise ValueError(f"{where}: no string 'text', 'conversations' or 'chosen'/'rejected' field")
+    return texts
+
+
 def iter_texts(path: str | Path) -> Iterator[str]:
     """Texts of a .txt file (in ~1 MB pieces of whole lines) or of a JSONL file (per record)."""
     path = Path(path)
@@ -53,17 +69,45 @@ def iter_texts(path: str | Path) -> Iterator[str]:
                     raise ValueError(f"{path}: not UTF-8 text: {e}") from None
             return
         for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:  # bad JSON or bad UTF-8
-                raise ValueError(f"{path}:{n}: malformed JSON line: {e}") from None
-            texts = record_texts(record)
-            if not texts:
-                raise ValueError(f"{path}:{n}: no string 'text', 'conversations' or "
-                                 f"'chosen'/'rejected' field")
+            yield from line_texts(line, f"{path}:{n}")
+
+
+def sample_texts(paths: list[str], max_chars: int, n_ranges: int | None = None) -> Iterator[str]:
+    """About max_chars characters drawn evenly from the whole input, not from its start: each file is cut into
+    byte ranges (n_ranges over all files, in proportion to their sizes; by default one per 100k characters, at
+    most 1000) and each range gives the whole records (JSONL lines; lines of a .txt) that start in it, up to its
+    share of characters. Only those are read, so time and memory follow max_chars, not the size of the input;
+    a budget above the input's size reads all of it."""
+    n_ranges = n_ranges or min(1000, max(1, max_chars // 100_000))
+    sizes = [os.path.getsize(p) for p in paths]
+    for path, size in zip(paths, sizes):
+        ranges = max(1, round(n_ranges * size / max(sum(sizes), 1)))
+        share = max_chars * size / max(sum(sizes), 1) / ranges  # characters per range
+        with open(path, "rb") as f:
+            for j in range(ranges):
+                yield from range_texts(f, j * size // ranges, (j + 1) * size // ranges, share)
+
+
+def range_texts(f, start: int, end: int, share: float) -> Iterator[str]:
+    """The texts of the records of file f that start in bytes [start, end), until they hold `share` characters;
+    a .txt range is one text, its lines joined."""
+    f.seek(max(start - 1, 0))
+    if start > 0:
+        f.readline()  # to the first line that starts at or after start
+    lines, chars = [], 0
+    while chars < share and f.tell() < end and (line := f.readline()):
+        if f.name.endswith(".txt"):
+            lines.append(line)
+            chars += len(line)  # bytes: at least the characters
+        else:
+            texts = line_texts(line, f"{f.name} (byte {f.tell() - len(line)})")
+            chars += sum(map(len, texts))
             yield from texts
+    if lines:
+        try:
+            yield b"".join(lines).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{f.name} (bytes {start}-{end}): not UTF-8 text: {e}") from None
 
 
 def count_chunks(texts: Iterable[str]) -> Counter[bytes]:
@@ -152,13 +196,17 @@ def train_bpe(chunk_counts: dict[bytes, int], n_merges: int, verbose: bool = Tru
 
 
 def write_tiktoken(ranks: dict[bytes, int], out: Path) -> None:
-    """OUT/tokenizer.tiktoken in tiktoken's format, OUT/tokenizer.json with pattern and specials."""
+    """OUT/tokenizer.tiktoken in tiktoken's format, OUT/nanomind.json with pattern and specials
+    (named so as not to look like a Hugging Face tokenizer.json, the name it had before)."""
     lines = [base64.b64encode(t) + b" " + str(r).encode()
              for t, r in sorted(ranks.items(), key=lambda item: item[1])]
     (out / "tokenizer.tiktoken").write_bytes(b"\n".join(lines) + b"\n")
     special = {t: len(ranks) + i for i, t in enumerate(SPECIAL_TOKENS)}
     meta = {"pattern": PATTERN, "special_tokens": special, "vocab_size": len(ranks) + len(special)}
-    (out / "tokenizer.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    (out / "nanomind.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    old_meta = out / "tokenizer.json"  # this writer's output before the rename, now stale; an HF file stays
+    if old_meta.is_file() and old_meta.read_bytes().startswith(b'{\n "pattern": '):
+        old_meta.unlink()
 
 
 # --- SentencePiece ------------------------------------------------------------------------------
@@ -189,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab_size", type=int, default=6400, help="total, special tokens included")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--backend", choices=["tiktoken", "sentencepiece"], default="tiktoken")
+    parser.add_argument("--max_chars", type=int, default=0,
+                        help="train on about this many characters sampled evenly across the input (0: all of it)")
     args = parser.parse_args(argv)
 
     out = Path(args.out)
@@ -196,7 +246,10 @@ def main(argv: list[str] | None = None) -> None:
     if other.exists():
         raise SystemExit(f"{other} exists: load_tokenizer({str(out)!r}) would be ambiguous; remove it")
     out.mkdir(parents=True, exist_ok=True)
-    texts = (t for path in args.input for t in iter_texts(path))
+    if args.max_chars > 0:
+        texts = sample_texts(args.input, args.max_chars)
+    else:
+        texts = (t for path in args.input for t in iter_texts(path))
     t0 = time.time()
     if args.backend == "sentencepiece":
         train_sentencepiece(texts, args.vocab_size, out)

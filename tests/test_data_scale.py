@@ -1,0 +1,290 @@
+"""Data at real sizes: tokenising in memory that does not grow with the file, a cache that a killed build never
+leaves trusted, arrays identical to encoding each record directly, several files that read as one, and a tokenizer
+trained on a sample spread over its whole input."""
+import glob
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import data
+import prepare_demo
+from data import DataError, PretrainData, SFTData, encode_chat, load_split, tokenize_file
+from test_splits import ID, ids_of, record
+from tokenizer import load_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return prepare_demo.documents(500, 20, random.Random(0))
+
+
+def write_corpus(path, megabytes: float, pool, seed: int = 0) -> str:
+    """Pretraining JSONL of about `megabytes`: records of 2-10 demo documents, with the line ends and blank lines
+    real files have (\\r\\n, empty and whitespace-only lines, escaped and raw non-ASCII)."""
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        while f.tell() < megabytes * 1e6:
+            text = "\n".join(rng.choices(pool, k=rng.randint(2, 10)))
+            f.write(json.dumps({"text": text}, ensure_ascii=rng.random() < 0.3) + rng.choice(["\n", "\r\n"]))
+            f.write(rng.choice(["", "", "", "\n", " \u3000\n"]))
+    return str(path)
+
+
+def direct_encoding(path, tok) -> list[list[int]]:
+    """The reference: each record of a JSONL file, read by Python's text mode, encoded by the tokenizer itself."""
+    with open(path, encoding="utf-8") as f:
+        return [[tok.bos_id] + tok.encode(json.loads(line)["text"]) + [tok.eos_id] for line in f if line.strip()]
+
+
+def as_lists(records) -> list[list[int]]:
+    return [records[i][0].tolist() for i in range(len(records))]
+
+
+# --- memory -------------------------------------------------------------------------------------------------
+
+BUILD = """
+import json, resource, sys
+import data
+tok = data.load_tokenizer()
+def vm(field):  # bytes, from /proc/self/status
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+def workers_peak():  # the largest high-water mark of any child so far
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+# a one-line build first: its workers' peak is the workers' baseline (forked with the parent's RSS, torch included)
+with open(sys.argv[1] + ".tiny.jsonl", "w") as f:
+    f.write('{"text": "warm up"}\\n')
+data.tokenize_file(sys.argv[1] + ".tiny.jsonl", tok, "pretrain", processes=2, verbose=False)
+workers_before = workers_peak()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets this process's high-water mark (VmHWM) to its RSS now
+before = vm("VmRSS")
+data.tokenize_file(sys.argv[1], tok, "pretrain", processes=2, chunk_bytes=int(sys.argv[2]), verbose=False)
+print(json.dumps({"parent": vm("VmHWM") - before, "worker": workers_peak() - workers_before}))
+"""
+
+
+def build_peak(path, chunk_bytes: int) -> int:
+    """Memory a build adds to the process tree at its peak, in bytes: the building process's and, for each of
+    its two workers, the largest worker's, above what Python, torch and the tokenizer already take."""
+    done = subprocess.run([sys.executable, "-c", BUILD, path, str(chunk_bytes)], cwd=REPO, capture_output=True,
+                          text=True, check=True)
+    m = json.loads(done.stdout.strip().splitlines()[-1])
+    return m["parent"] + 2 * max(m["worker"], 0)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="measures memory through Linux's /proc")
+def test_peak_memory_stays_flat_as_the_file_grows(tmp_path, pool):
+    # 64 KB chunks make the bound show on a few MB: a build that kept the records until the end would add
+    # ~6 bytes per byte of JSONL (~70 MB on the larger file), a streamed one the same few MB for both files
+    small = write_corpus(tmp_path / "small.jsonl", 3, pool, seed=1)
+    large = write_corpus(tmp_path / "large.jsonl", 12, pool, seed=2)
+    peaks = {name: build_peak(path, 1 << 16) for name, path in (("small", small), ("large", large))}
+    assert peaks["large"] <= 1.2 * peaks["small"] + (1 << 20), peaks  # + 1 MB: allocator noise
+
+
+# --- a killed build -----------------------------------------------------------------------------------------
+
+KILLED = """
+import os, signal, sys
+import data
+if sys.argv[2] == "at_commit":  # everything written, killed just before the rename that commits the cache
+    os.replace = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+data.tokenize_file(sys.argv[1], data.load_tokenizer(), "pretrain", processes=1, chunk_bytes=1 << 14, verbose=False)
+"""
+
+
+def temp_bytes(path) -> int:
+    """Bytes in the temp files of path's cache being built."""
+    total = 0
+    for part in glob.glob(f"{path}.pretrain.cache.tmp*"):
+        try:
+            total += os.path.getsize(part)
+        except FileNotFoundError:  # committed or removed meanwhile
+            pass
+    return total
+
+
+def kill_build(path, when: str):
+    """Run a build in its own process group and SIGKILL it (and its worker) mid-way, or let it kill itself at
+    the commit."""
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, path, when], cwd=REPO, start_new_session=True,
+                            stderr=subprocess.DEVNULL)
+    if when == "mid_way":
+        deadline = time.time() + 60
+        while temp_bytes(path) <= 1 << 16:
+            assert proc.poll() is None and time.time() < deadline, "the build ended before it could be killed"
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("when", ["mid_way", "at_commit"])
+def test_a_killed_build_leaves_nothing_trusted_and_the_next_run_rebuilds(tok, tmp_path, pool, capsys, when):
+    path = write_corpus(tmp_path / "p.jsonl", 1.5, pool)
+    kill_build(path, when)
+    records = tokenize_file(path, tok, "pretrain", chunk_bytes=1 << 16)
+    assert f"tokenising {path} into" in capsys.readouterr().err  # rebuilt: what the killed run wrote is not used
+    assert as_lists(records) == direct_encoding(path, tok)
+    assert sorted(os.listdir(tmp_path)) == ["p.jsonl", "p.jsonl.pretrain.cache"]  # the dead build's temp files are gone
+
+
+# --- identical arrays ---------------------------------------------------------------------------------------
+
+def test_streamed_arrays_equal_a_direct_encoding_for_any_chunk_size(tok, tmp_path, pool, capsys):
+    path = write_corpus(tmp_path / "p.jsonl", 0.6, pool)
+    expected = direct_encoding(path, tok)
+    caches = []
+    for chunk_bytes in (1 << 20, 4096, 1):  # one chunk per line at the smallest
+        records = tokenize_file(path, tok, "pretrain", chunk_bytes=chunk_bytes)
+        assert as_lists(records) == expected
+        with open(f"{path}.pretrain.cache", "rb") as f:
+            caches.append(f.read())
+        os.remove(f"{path}.pretrain.cache")
+    assert caches[1] == caches[0] and caches[2] == caches[0]
+    err = capsys.readouterr().err
+    tokens = sum(map(len, expected))
+    assert f"MB/s, {len(expected):,} records, {tokens / 1e6:,.1f}M tokens, ETA 0:00:00" in err  # the progress line
+    assert f"{path}: {len(expected):,} records, {tokens:,} tokens" in err
+
+
+def test_txt_documents_and_sft_masks_equal_a_direct_encoding(tok, tmp_path, pool):
+    rng = random.Random(3)
+    docs = [d.replace(". ", rng.choice([".\n", ".\r\n"])) for d in rng.choices(pool, k=300)]
+    (tmp_path / "p.txt").write_bytes("".join(d + rng.choice(["\n\n", "\r\n\r\n", "\n \n\n"]) for d in docs)
+                                     .encode("utf-8"))
+    records = tokenize_file(str(tmp_path / "p.txt"), tok, "pretrain", chunk_bytes=2048, verbose=False)
+    assert as_lists(records) == [[tok.bos_id] + tok.encode(d.replace("\r\n", "\n")) + [tok.eos_id] for d in docs]
+
+    conversations = [[{"role": role, "content": rng.choice(pool)[: rng.randint(5, 300)]}
+                      for _ in range(rng.randint(1, 3)) for role in ("user", "assistant")] for _ in range(300)]
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps({"conversations": c}, ensure_ascii=False) + "\n" for c in conversations),
+                    encoding="utf-8")
+    records = tokenize_file(str(path), tok, "sft", max_len=256, chunk_bytes=4096, verbose=False)
+    assert [(ids.tolist(), mask.tolist()) for ids, mask in (records[i] for i in range(len(records)))] == [
+        tuple(encode_chat(tok, c, max_len=256)) for c in conversations]
+
+
+# --- several files ------------------------------------------------------------------------------------------
+
+def split_file(path, out_dir, sizes: list[int]) -> list[str]:
+    """The lines of path in consecutive files out_dir/part_0.jsonl, part_1.jsonl, ... of `sizes` lines each."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    parts, start = [], 0
+    for i, n in enumerate(sizes + [len(lines) - sum(sizes)]):
+        parts.append(os.path.join(out_dir, f"part_{i}.jsonl"))
+        with open(parts[-1], "w", encoding="utf-8") as f:
+            f.writelines(lines[start : start + n])
+        start += n
+    return parts
+
+
+def test_several_files_and_a_glob_give_the_windows_of_one_concatenated_file(tok, tmp_path, pool, capsys):
+    (tmp_path / "one").mkdir()
+    (tmp_path / "parts").mkdir()
+    whole = tmp_path / "one" / "all.jsonl"
+    rows = [{"text": d} for d in random.Random(4).choices(pool, k=200)]
+    rows[60:60] = [{"text": "ok"}, {"text": "fine"}]
+    whole.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    # part_1 and part_2 hold one record of a few tokens each: 33-token windows run across three or four files
+    parts = split_file(whole, str(tmp_path / "parts"), [60, 1, 1, 70])
+    single = PretrainData(tokenize_file(str(whole), tok, "pretrain", verbose=False), 32)
+    expected = [single[i][0][0].tolist() for i in range(len(single))]
+    pattern, listed = str(tmp_path / "parts" / "part_*"), ",".join(parts)
+    for spec in (pattern, listed, pattern):  # the glob again: it now matches the parts' caches too, not data
+        multi = PretrainData(tokenize_file(spec, tok, "pretrain"), 32)
+        assert [multi[i][0][0].tolist() for i in range(len(multi))] == expected
+    assert sorted(glob.glob(str(tmp_path / "parts" / "*.cache"))) == [p + ".pretrain.cache" for p in parts]
+    err = capsys.readouterr().err
+    n_tokens = [sum(len(tok.encode(r["text"])) + 2 for r in chunk) for chunk in
+                (rows[:60], rows[60:61], rows[61:62], rows[62:132], rows[132:])]
+    assert f"{parts[1]}: 1 records, {n_tokens[1]:,} tokens" in err
+    assert f"{pattern}: 5 files, {len(rows):,} records, {sum(n_tokens):,} tokens" in err
+
+    sft = [{"conversations": [{"role": "user", "content": d[:80]}, {"role": "assistant", "content": d[80:200]}]}
+           for d in pool[:50] if len(d) > 100]
+    for name, chunk in (("a", sft[:20]), ("b", sft[20:])):
+        (tmp_path / "parts" / f"s_{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chunk))
+    records = SFTData(tokenize_file(str(tmp_path / "parts" / "s_*.jsonl"), tok, "sft", max_len=128, verbose=False))
+    assert [records[i][0][0].tolist() for i in range(len(records))] == [
+        encode_chat(tok, r["conversations"], max_len=128)[0] for r in sft]
+
+
+@pytest.mark.parametrize("kind", ["pretrain", "sft", "dpo"])
+def test_validation_is_the_last_records_across_files(kind, tok, tmp_path):
+    options = {"pretrain": {}, "sft": {"max_len": 65}, "dpo": {"max_prompt_length": 64, "max_completion_length": 64}}
+    for name, ids in (("a", range(0, 10)), ("b", range(10, 20)), ("c", range(20, 25))):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(record(kind, i)) + "\n" for i in ids))
+    # 25 records, 0.32 of them = 8: all 5 of c.jsonl and the last 3 of b.jsonl
+    train, val = load_split(str(tmp_path / "*.jsonl"), None, 0.32, tok, kind, verbose=False, **options[kind])
+    assert ids_of(train, tok) == list(range(17)) and ids_of(val, tok) == list(range(17, 25))
+    if kind == "pretrain":
+        seen = [{int(m) for w in range(len(d)) for m in ID.findall(tok.decode(d[w][0][0].tolist()))}
+                for d in (PretrainData(train, 32), PretrainData(val, 32))]
+        assert seen[0] <= set(range(17)) and seen[1] <= set(range(17, 25))
+
+
+def test_a_read_only_data_directory_gets_its_cache_under_the_home_directory(tok, tmp_path, monkeypatch):
+    path = write_corpus(tmp_path / "p.jsonl", 0.01, ["a short document.", "一个短文档。"])
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(data.os, "access", lambda p, mode: os.path.abspath(p) != str(tmp_path))  # (root writes anyway)
+    records = tokenize_file(path, tok, "pretrain", verbose=False)
+    assert as_lists(records) == direct_encoding(path, tok)
+    assert sorted(os.listdir(tmp_path)) == ["home", "p.jsonl"]  # nothing written beside the data
+    (cache,) = glob.glob(str(tmp_path / "home" / ".cache" / "nanomind" / "p.jsonl.*.pretrain.cache"))
+    stamp = os.stat(cache).st_mtime_ns
+    tokenize_file(path, tok, "pretrain", verbose=False)
+    assert os.stat(cache).st_mtime_ns == stamp  # found there again, not rebuilt
+
+
+def test_a_pattern_that_matches_nothing_is_a_data_error_naming_it(tok, tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n')
+    pattern = str(tmp_path / "pretrain_*.jsonl")
+    with pytest.raises(DataError, match=re.escape(f"no data file matches '{pattern}'")):
+        tokenize_file(pattern, tok, "pretrain", verbose=False)
+    with pytest.raises(FileNotFoundError, match=f"data file not found: {tmp_path}/b.jsonl"):
+        tokenize_file(f"{tmp_path}/a.jsonl,{tmp_path}/b.jsonl", tok, "pretrain", verbose=False)
+    with pytest.raises(DataError, match="names .*a.jsonl twice"):
+        tokenize_file(f"{tmp_path}/a.jsonl,{tmp_path}/*.jsonl", tok, "pretrain", verbose=False)
+    assert data.file_digest(str(tmp_path / "*.jsonl")) != data.file_digest(str(tmp_path / "a.jsonl"))
+
+
+# --- a tokenizer from a sample of a large corpus ------------------------------------------------------------
+
+def test_tokenizer_sample_is_spread_over_the_whole_input_and_bounded(tmp_path):
+    import train_tokenizer
+
+    files = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for k, path in enumerate(files):  # 2 x 5000 records, record-NNNNN in order, b.jsonl's twice as long
+        path.write_text("".join(json.dumps({"text": f"record-{i:05d} " + "words " * 20 * (k + 1)}) + "\n"
+                                for i in range(5000 * k, 5000 * (k + 1))))
+    paths, sizes = [str(p) for p in files], [os.path.getsize(p) for p in files]
+    sample = list(train_tokenizer.sample_texts(paths, 90_000, n_ranges=30))  # ~10 ranges in a.jsonl, ~20 in b.jsonl
+    assert 90_000 <= sum(map(len, sample)) <= 100_000  # each range overshoots by less than a record
+    seen = [int(t[7:12]) for t in sample]
+    assert seen == sorted(set(seen))  # in file order, no record twice
+    for k in range(2):  # each file gives its share, and every tenth of it about a tenth of that
+        chars = sum(len(t) for t in sample if int(t[7:12]) // 5000 == k)
+        assert abs(chars - 90_000 * sizes[k] / sum(sizes)) < 0.1 * 90_000
+        tenths = np.bincount([(i - 5000 * k) // 500 for i in seen if i // 5000 == k], minlength=10)
+        assert tenths.min() >= 0.4 * tenths.mean(), tenths  # (ranges and tenths need not line up)
+    everything = [t for p in paths for t in train_tokenizer.iter_texts(p)]
+    assert list(train_tokenizer.sample_texts(paths, 10**9)) == everything  # a budget over the size: all of it
