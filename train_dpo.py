@@ -17,7 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from data import DPOData, Loader, file_digest, load_split, load_tokenizer
+from data import DPOData, Loader, expand_paths, file_digest, load_split, load_tokenizer
 from train_utils import (ConfigError, EarlyStopping, FinetuneConfig, MetricsLog, StepTimer, StopSignal, all_reduce_mean,
                          checkpoint_to_resume, cli, clip_gradients, evaluate, finetune_model, get_lr, load_config,
                          model_from_checkpoint, prepare_training, print0, print_run, schedule_length, set_lr, setup,
@@ -31,7 +31,7 @@ class Config(FinetuneConfig):
     init_from: str = "out/sft/best.pt"  # the policy starts here
     ref_from: str | None = None  # the frozen reference; None: init_from
     # --- data
-    data_path: str = "data/dpo.jsonl"  # JSONL {"prompt", "chosen", "rejected"} or {"chosen": [msgs], "rejected": [msgs]}
+    data_path: str = "data/dpo.jsonl"  # JSONL {"prompt", "chosen", "rejected"} or message lists; or a glob / comma list
     max_prompt_length: int | None = None  # longer prompts lose their beginning; None: half of max_seq_len + 1
     max_completion_length: int | None = None  # longer answers lose their end; None: the rest of max_seq_len + 1
     # --- DPO
@@ -115,7 +115,7 @@ def reference_tables(ref_path: str, cfg, loaders: dict[str, Loader], run) -> dic
                                 cfg.max_prompt_length, cfg.max_completion_length, cfg.skip_bad, run.dtype,
                                 run.device.type, cfg.flash)).encode(),
                           digest_size=8).hexdigest()
-    path = f"{cfg.data_path}.ref-{key}.pt"
+    path = f"{expand_paths(cfg.data_path)[0]}.ref-{key}.pt"  # beside the first data file
     if os.path.exists(path):
         return torch.load(path)
     ref = load_frozen(ref_path, run.device, cfg.flash)
@@ -155,7 +155,7 @@ def validation_metrics(model, reference: Reference, val_loader, cfg, run) -> dic
 def load_data(cfg, run) -> tuple[Loader, Loader]:
     """Training and validation pairs; rank 0 tokenises (or finds the cache) first."""
     tokenizer = load_tokenizer(cfg.tokenizer_path)
-    with run.rank0_first():
+    with run.rank0_first("waiting for rank 0 to tokenise the data (or to find its cache)"):
         train_records, val_records = load_split(cfg.data_path, cfg.val_data_path, cfg.val_fraction, tokenizer, "dpo",
                                                 max_prompt_length=cfg.max_prompt_length, skip_bad=cfg.skip_bad,
                                                 max_completion_length=cfg.max_completion_length, verbose=run.master)
@@ -169,7 +169,7 @@ def make_reference(cfg, run, loader, val_loader) -> Reference:
     every pair, computed once by rank 0 and cached beside the data."""
     if not cfg.precompute_ref:
         return Reference(load_frozen(cfg.ref_from or cfg.init_from, run.device, cfg.flash), None, cfg.length_norm)
-    with run.rank0_first():
+    with run.rank0_first("waiting for rank 0 to compute the reference log-probs"):
         tables = reference_tables(cfg.ref_from or cfg.init_from, cfg, {"train": loader, "val": val_loader}, run)
     return Reference(tables={split: table.to(run.device) for split, table in tables.items()})
 

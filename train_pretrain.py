@@ -22,7 +22,7 @@ class Config(TrainConfig):
     # --- I/O
     out_dir: str = "out/pretrain"
     # --- data
-    data_path: str = "data/pretrain_hq.jsonl"  # JSONL {"text": ...} lines, or .txt documents split by blank lines
+    data_path: str = "data/pretrain_hq.jsonl"  # JSONL {"text"} or .txt; or a glob / comma list, read as one
 
 
 def load_data(cfg, model_cfg, run) -> tuple[Loader, Loader]:
@@ -30,7 +30,7 @@ def load_data(cfg, model_cfg, run) -> tuple[Loader, Loader]:
     tokenizer = load_tokenizer(cfg.tokenizer_path)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but vocab_size is {model_cfg.vocab_size}")
-    with run.rank0_first():
+    with run.rank0_first("waiting for rank 0 to tokenise the data (or to find its cache)"):
         train_records, val_records = load_split(cfg.data_path, cfg.val_data_path, cfg.val_fraction, tokenizer,
                                                 "pretrain", verbose=run.master)
     loader_args = dict(pad_id=tokenizer.pad_id, device=run.device, seed=cfg.seed, rank=run.rank, world_size=run.world_size)

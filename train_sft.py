@@ -20,7 +20,7 @@ class Config(FinetuneConfig):
     # --- I/O
     out_dir: str = "out/sft"
     # --- data
-    data_path: str = "data/sft_mini_512.jsonl"  # JSONL {"conversations": [{"role", "content"}, ...]}
+    data_path: str = "data/sft_mini_512.jsonl"  # JSONL {"conversations": [{"role", "content"}, ...]}; or a glob / comma list
     max_seq_len: int = 512  # longer conversations lose their earliest turns
     # --- training length
     batch_size: int = 32  # per rank; batches pad to their longest conversation
@@ -39,7 +39,7 @@ def load_data(cfg, model_cfg, run) -> tuple[Loader, Loader]:
     if cfg.max_seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"max_seq_len {cfg.max_seq_len} exceeds the model's {model_cfg.max_seq_len} ({cfg.init_from})")
     tokenizer = load_tokenizer(cfg.tokenizer_path)
-    with run.rank0_first():
+    with run.rank0_first("waiting for rank 0 to tokenise the data (or to find its cache)"):
         train_records, val_records = load_split(cfg.data_path, cfg.val_data_path, cfg.val_fraction, tokenizer, "sft",
                                                 max_len=cfg.max_seq_len + 1, skip_bad=cfg.skip_bad, verbose=run.master)
     loader_args = dict(pad_id=tokenizer.pad_id, device=run.device, seed=cfg.seed, rank=run.rank, world_size=run.world_size)

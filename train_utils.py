@@ -49,8 +49,8 @@ class TrainConfig:
     out_dir: str = "out"  # checkpoints and metrics.jsonl
     resume: bool = False  # continue from the latest checkpoint in out_dir
     # --- data
-    data_path: str = "data/train.jsonl"
-    val_data_path: str | None = None  # None: hold out the last val_fraction of the records
+    data_path: str = "data/train.jsonl"  # a file, a glob (data/pretrain_*.jsonl) or several, comma-separated
+    val_data_path: str | None = None  # the same; None: hold out the last val_fraction of the records
     val_fraction: float = 0.01
     tokenizer_path: str | None = None  # None: the tokenizer shipped in tokenizer/
     # --- training length
@@ -278,9 +278,11 @@ class Run:
         return nullcontext() if last_micro_step or not self.ddp else model.no_sync()
 
     @contextmanager
-    def rank0_first(self):
+    def rank0_first(self, waiting: str = "waiting for rank 0"):
         """Rank 0 runs the block first (e.g. builds a data cache), the other ranks then run it (and read it)."""
         if self.ddp and not self.master:
+            if self.rank == 1:  # one line for all the waiting ranks, not silence
+                print(f"ranks 1..{self.world_size - 1}: {waiting}", flush=True)
             dist.barrier()
         yield
         if self.ddp and self.master:
