@@ -176,7 +176,8 @@ ARRAYS = {"pretrain": ("tokens",), "sft": ("tokens", "mask"), "dpo": ("prompt", 
 # -----------------------------------------------------------------------------
 # which files: data_path is one file, a glob pattern, or several of either separated by commas
 
-CACHE_NAME = re.compile(rf"\.({'|'.join(ARRAYS)})\.cache(\.tmp.*)?$")  # FILE.<kind>.cache and its temp files
+# what data.py and train_dpo.py write beside a data file: FILE.<kind>.cache (and its temp files), FILE.ref-KEY.pt
+CACHE_NAME = re.compile(rf"\.({'|'.join(ARRAYS)})\.cache(\.tmp.*)?$|\.ref-[0-9a-f]+\.pt(\.tmp)?$")
 
 
 def expand_paths(data_path: str) -> list[str]:
