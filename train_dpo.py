@@ -225,7 +225,7 @@ def main(argv: list[str]):
             log.write({"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), **means,
                        "skipped_steps": guard.reported, **timer.read(step)})
             watch.update(loss.item(), means["chosen_logp"], step > warmup_steps)
-            stopping = stop.requested(run)  # Ctrl-C / SIGTERM, agreed on by all ranks
+            stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step % steps_per_epoch == 0 or step == max_steps:
             with timer.paused():
                 val_metrics = validation_metrics(raw_model, reference, val_loader, cfg, run)
@@ -236,8 +236,7 @@ def main(argv: list[str]):
         if step % cfg.save_interval == 0 or step == max_steps or stopping:
             with timer.paused():
                 checkpoints.save(f"step_{step:07d}.pt", step)
-        if stopping:
-            print0(f"stopped at step {step}; continue with --resume=True")
+        if stopping:  # a signal (saved above) or early stopping
             break
     stop.restore()
     print0(f"done: step {step}, best val_loss {early.best:.4f}, checkpoints in {cfg.out_dir}")

@@ -84,7 +84,7 @@ def main(argv: list[str]):
             guard.report(step, loss.item(), grad_norm.item())
             log.write({"step": step, "loss": loss.item(), "ppl": perplexity(loss.item()), "lr": lr,
                        "grad_norm": grad_norm.item(), "skipped_steps": guard.reported, **timer.read(step)})
-            stopping = stop.requested(run)  # Ctrl-C / SIGTERM, agreed on by all ranks
+            stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step == max_steps:
             with timer.paused():
                 val_loss = validation_loss(raw_model, val_loader, cfg.eval_steps, run)
@@ -94,8 +94,7 @@ def main(argv: list[str]):
         if step % cfg.save_interval == 0 or step == max_steps or stopping:
             with timer.paused():
                 checkpoints.save(f"step_{step:07d}.pt", step)
-        if stopping:
-            print0(f"stopped at step {step}; continue with --resume=True")
+        if stopping:  # a signal (saved above) or early stopping
             break
     stop.restore()
     print0(f"done: step {step}, best val_loss {best.best:.4f}, checkpoints in {cfg.out_dir}")

@@ -694,14 +694,17 @@ class StopSignal:
         self.received = True
         print(f"\nreceived signal {signum}: saving a checkpoint after this step, then exiting", file=sys.stderr, flush=True)
 
-    def requested(self, run: Run) -> bool:
+    def requested(self, run: Run, step: int) -> bool:
         """All ranks agree, so no rank leaves the loop while another waits in a collective. A collective: call
         it where every rank does (at log steps)."""
-        if not run.ddp:
-            return self.received
-        flag = torch.tensor([float(self.received)], device=run.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        stop = self.received
+        if run.ddp:
+            flag = torch.tensor([float(self.received)], device=run.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+        if stop:
+            print0(f"stopped at step {step}; continue with --resume=True")
+        return stop
 
 
 # -----------------------------------------------------------------------------
