@@ -364,11 +364,7 @@ def all_reduce_sum(t: torch.Tensor, run: Run) -> torch.Tensor:
 
 
 def all_reduce_mean(t: torch.Tensor, run: Run) -> torch.Tensor:
-    if run.ddp:
-        t = t.clone()
-        dist.all_reduce(t)
-        t /= run.world_size
-    return t
+    return all_reduce_sum(t, run) / run.world_size if run.ddp else t
 
 
 def print_run(cfg, model_cfg, run: Run):
