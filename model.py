@@ -21,7 +21,7 @@ class ModelConfig:
     # --- model: the architecture (saved in every checkpoint; SFT and DPO take it from init_from)
     dim: int = 512  # width of the residual stream
     n_layers: int = 8
-    n_heads: int = 8  # query heads; head_dim = dim / n_heads
+    n_heads: int = 8  # query heads
     n_kv_heads: int = 2  # key/value heads, shared by n_heads / n_kv_heads query heads each (GQA)
     vocab_size: int = 6400  # at least the tokenizer's
     max_seq_len: int = 512  # the context: training windows and generation never exceed it
@@ -30,17 +30,21 @@ class ModelConfig:
     norm_eps: float = 1e-5  # RMSNorm epsilon
     dropout: float = 0.0
     tie_embeddings: bool = True  # the LM head is the token embedding
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (minimind-3, Qwen3)
+    head_dim: int | None = None  # None -> dim / n_heads
     # --- model switches: how it computes, not what
     flash: bool | None = None  # attention: True SDPA, False the explicit math path; None: SDPA on CUDA only
     grad_checkpoint: bool = False  # recompute each block in backward: less memory, more compute
 
     def __post_init__(self):
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}), or set head_dim")
+            self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head_dim = dim / n_heads = {self.dim // self.n_heads} must be even for RoPE")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
         if self.ffn_dim is None:
             self.ffn_dim = 64 * math.ceil(8 * self.dim / 3 / 64)
 
@@ -100,11 +104,13 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
-        self.head_dim = config.dim // config.n_heads
+        self.head_dim = config.head_dim
         self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        if config.qk_norm:  # one gain vector per head_dim, shared by all heads
+            self.q_norm, self.k_norm = RMSNorm(self.head_dim, config.norm_eps), RMSNorm(self.head_dim, config.norm_eps)
         self.dropout = config.dropout
         self.config = config
 
@@ -113,6 +119,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D), (B, K, T, D)
         if cache is not None:
@@ -189,7 +197,7 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # RoPE tables are derived from the config, so they stay out of the state dict
-        cos, sin = rope_tables(config.dim // config.n_heads, config.max_seq_len, config.rope_theta)
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -283,9 +291,9 @@ class Transformer(nn.Module):
         n = sum(p.numel() for p in self.parameters() if p.dim() >= 2)
         if not self.config.tie_embeddings:
             n -= self.tok_embeddings.weight.numel()
-        # causal attention: a token at position t does q.k and p.v over t keys, 2 * 2 * dim * t FLOPs per layer
+        # causal attention: a token at position t does q.k and p.v over t keys, 2 * 2 * H * D * t FLOPs per layer
         # forward; the mean of t over the sequence is seq_len / 2
-        attention = 2 * self.config.n_layers * self.config.dim * seq_len
+        attention = 2 * self.config.n_layers * self.config.n_heads * self.config.head_dim * seq_len
         return 3 * (2 * n + attention)
 
     def configure_optimizers(self, weight_decay: float, lr: float, betas: tuple[float, float], device_type: str):
