@@ -33,8 +33,8 @@ import torch
 
 from model import ModelConfig, Transformer
 from tokenizer import DEFAULT_DIR, HFTokenizer, TiktokenTokenizer, _byte_level_alphabet, load_tokenizer
-from train_utils import (CheckpointError, ConfigError, atomic_save, check_type, cli, load_checkpoint, load_model_state,
-                         parse_flag_value)
+from train_utils import (CheckpointError, ConfigError, atomic_save, check_type, checkpoint_tokenizer, cli,
+                         load_checkpoint, load_model_state, parse_flag_value)
 
 # -----------------------------------------------------------------------------
 # safetensors
@@ -257,10 +257,14 @@ def import_weights(src: Path, out: Path, tokenizer_dir: str | None, stage: str, 
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ConfigError(f"the tokenizer ({tokenizer_dir or DEFAULT_DIR}) has {tokenizer.vocab_size} ids, the "
                           f"model's embedding {cfg.vocab_size}: pass the tokenizer the weights were trained with")
-    # stage "sft": sample.py chats with any stage but "pretrain", and MiniMind's released weights are chat models
+    # the keys train_*.py write that sampling, fine-tuning and export read; stage "sft" by default: sample.py
+    # chats with any stage but "pretrain", and MiniMind's released weights (full_sft_*.pth) are chat models
     atomic_save({"model": model.state_dict(), "model_config": dataclasses.asdict(cfg), "stage": stage, "step": 0,
-                 "config": {"tokenizer_path": tokenizer_dir, "imported_from": str(src)}}, str(out))
-    print(f"{src} -> {out}: {model.num_params():,} parameters, {stage} stage, tokenizer {tokenizer_dir or 'shipped'}")
+                 "config": {"tokenizer_path": tokenizer_dir, "imported_from": str(src)},
+                 "tokenizer": {"path": tokenizer_dir, "fingerprint": tokenizer.fingerprint,
+                               "chat_template": tokenizer.chat_template}}, str(out))
+    print(f"{src} -> {out}: {model.num_params():,} parameters, {stage} stage, tokenizer "
+          f"{tokenizer_dir or 'shipped'} ({tokenizer.chat_template} chat template)")
     print("model config: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))
 
 
@@ -391,8 +395,8 @@ def export(ckpt: str, out_dir: Path, dtype: str, force: bool):
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
         raise ConfigError(f"{out_dir} exists and is not empty: pass --force to replace it")
     cfg = ModelConfig(**state["model_config"])
+    tokenizer = checkpoint_tokenizer(state)  # the one it trained with, checked against its fingerprint
     tokenizer_dir = Path(state["config"].get("tokenizer_path") or DEFAULT_DIR)
-    tokenizer = load_tokenizer(tokenizer_dir)
     files = tokenizer_files(tokenizer, tokenizer_dir, cfg.max_seq_len)
     weights = {}
     for name, t in state["model"].items():

@@ -12,7 +12,9 @@ import convert
 import sample
 import train_sft
 from conftest import TINY_RUN
+from data import encode_chat
 from model import ModelConfig, Transformer
+from tokenizer import load_tokenizer
 from train_utils import CheckpointError, ConfigError, load_checkpoint, load_config, model_from_checkpoint
 
 MINIMIND_TOKENIZER = Path(__file__).resolve().parent / "fixtures" / "minimind"
@@ -136,16 +138,25 @@ def test_imported_minimind_checkpoint_samples_and_fine_tunes(demo_dir, tmp_path,
                   "--max_seq_len=128"])
     state = load_checkpoint(str(tmp_path / "imported.pt"))
     assert state["stage"] == "sft" and state["config"]["tokenizer_path"] == str(MINIMIND_TOKENIZER)
-    assert state["model_config"]["max_seq_len"] == 128
+    assert state["tokenizer"]["chat_template"] == "chatml" and state["model_config"]["max_seq_len"] == 128
     capsys.readouterr()
     sample.main(["--ckpt", str(tmp_path / "imported.pt"), "--prompt", "你好", "--temperature", "0",
-                 "--max_new_tokens", "8", "--tokenizer_path", str(MINIMIND_TOKENIZER)])
-    assert capsys.readouterr().out.strip()
+                 "--max_new_tokens", "12"])
+    # what sample.py answered is the greedy continuation of MiniMind's ChatML prompt, in MiniMind's tokenizer
+    tokenizer = load_tokenizer(MINIMIND_TOKENIZER)
+    prompt, _ = encode_chat(tokenizer, [{"role": "user", "content": "你好"}])
+    assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    model, _ = model_from_checkpoint(str(tmp_path / "imported.pt"))
+    answer = model.eval().generate(torch.tensor([prompt]), 12, temperature=0, eos_id=tokenizer.eos_id)[0, len(prompt):]
+    answer = answer.tolist()[: answer.tolist().index(tokenizer.eos_id)] if tokenizer.eos_id in answer else answer.tolist()
+    assert answer and capsys.readouterr().out == tokenizer.decode(answer).strip(" ") + "\n"
+    # the tokenizer comes from the checkpoint: no --tokenizer_path, in sampling or fine-tuning
     train_sft.main([f"--init_from={tmp_path / 'imported.pt'}", f"--data_path={demo_dir}/sft.jsonl",
-                    f"--out_dir={tmp_path / 'sft'}", f"--tokenizer_path={MINIMIND_TOKENIZER}", *TINY_RUN,
+                    f"--out_dir={tmp_path / 'sft'}", *TINY_RUN,
                     "--batch_size=4", "--max_steps=2", "--eval_interval=2", "--max_seq_len=64"])
     tuned = load_checkpoint(str(tmp_path / "sft" / "step_0000002.pt"))
     assert tuned["model_config"]["qk_norm"] and tuned["model_config"]["head_dim"] == 24
+    assert tuned["tokenizer"]["chat_template"] == "chatml"
 
 
 def test_64m_has_exactly_minimind3_parameter_count():

@@ -158,6 +158,10 @@ def test_minimind_tokenizer_is_exported_as_it_is(tmp_path):
     assert theirs.decode(ours.encode(MIXED)) == MIXED
     original = json.loads((MINIMIND_TOKENIZER / "tokenizer_config.json").read_text(encoding="utf-8"))
     assert theirs.chat_template == original["chat_template"]
+    for messages in CONVERSATIONS:  # MiniMind's ChatML: the generation prompt only when the user spoke last
+        generation = messages[-1]["role"] != "assistant"
+        assert theirs.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation,
+                                          return_dict=False) == encode_chat(ours, messages)[0]
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (ours.bos_id, ours.eos_id,
                                                                                          ours.pad_id)
