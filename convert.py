@@ -1,8 +1,9 @@
 """
 Move weights between nanomind and the Hugging Face world.
 
-    python convert.py import full_sft_768.pth out/minimind.pt --tokenizer=minimind/model   # a MiniMind state dict
-    python convert.py import MiniMind2-Small/ out/minimind.pt --n_heads=8                    # a transformers folder
+    python convert.py import full_sft_768.pth out/minimind.pt --tokenizer=minimind/model   # minimind-3's state dict
+    python convert.py import full_sft_512.pth out/minimind2.pt --tokenizer=minimind/model --n_heads=8   # MiniMind2's
+    python convert.py import MiniMind2-Small/ out/minimind2.pt                              # a transformers folder
     python convert.py export out/sft/best.pt hf/ [--dtype=bfloat16] [--force]
 
 import reads a MiniMind *.pth state dict (MiniMind2; minimind-3 adds q_norm / k_norm) or a transformers folder
