@@ -29,10 +29,11 @@ from collections import Counter, defaultdict
 import numpy as np
 import torch
 
-from data import BadRecord, DataError, PretrainData, Loader, encode_chat, load_tokenizer, pad_rows, parse_line, tokenize_file
+from data import (BadRecord, DataError, Loader, PretrainData, encode_chat, load_tokenizer, pad_rows, parse_line,
+                  tokenize_file)
 from train_dpo import sequence_logprobs
-from train_utils import (ConfigError, bits_per_byte, cli, count_token_bytes, load_config, lm_sums, model_from_checkpoint,
-                         parse_row, perplexity, setup)
+from train_utils import (ConfigError, bits_per_byte, cli, count_token_bytes, load_config, lm_sums,
+                         model_from_checkpoint, parse_row, perplexity, setup)
 
 
 @dataclasses.dataclass
@@ -76,7 +77,7 @@ class ChoiceConfig(EvalConfig):
     shots: int = 0  # 0-5 solved questions of the same subject (from dev; ARC: train) before each question
     max_questions: int | None = None  # per subject; None: all
     # --- method
-    method: str = "text"  # text: log-prob of each option's text (acc, acc_norm); letter: of the answer letter in the chat template
+    method: str = "text"  # text: log-prob of each option's text (acc, acc_norm); letter: of its letter, chat template
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -109,7 +110,8 @@ def lm_totals(model, batches, token_bytes, run) -> dict[str, float]:
     for X, Y, loss_mask, _ in batches:
         with run.autocast():
             sums = lm_sums(model, X, Y, loss_mask, token_bytes)
-        nats, tokens, n_bytes = nats + sums["nats"].item(), tokens + loss_mask.sum().item(), n_bytes + sums["bytes"].item()
+        nats, n_bytes = nats + sums["nats"].item(), n_bytes + sums["bytes"].item()
+        tokens += loss_mask.sum().item()
     loss = nats / max(tokens, 1)
     return {"loss": loss, "ppl": perplexity(loss), "bpb": bits_per_byte(nats, n_bytes), "tokens": int(tokens),
             "bytes": int(n_bytes)}
@@ -127,10 +129,10 @@ def eval_bpb(cfg: BpbConfig) -> tuple[dict, dict]:
         raise DataError(f"{cfg.data_path}: fewer than the {T + 1} tokens of one window")
     n_windows = min(len(data), cfg.max_windows or len(data))
     loader = Loader(data, cfg.batch_size, tokenizer.pad_id, run.device)
-    totals = lm_totals(model, loader.batches(math.ceil(n_windows / cfg.batch_size)), count_token_bytes(tokenizer), run)
-    # batches() stops at whole batches: the windows scored are the first ceil(n / batch_size) * batch_size
-    result = {"data_path": cfg.data_path, "windows": min(len(data), math.ceil(n_windows / cfg.batch_size) * cfg.batch_size),
-              "window_tokens": T} | totals
+    n_batches = math.ceil(n_windows / cfg.batch_size)  # whole batches: the last may run past max_windows
+    totals = lm_totals(model, loader.batches(n_batches), count_token_bytes(tokenizer), run)
+    result = {"data_path": cfg.data_path, "windows": min(len(data), n_batches * cfg.batch_size), "window_tokens": T}
+    result |= totals
     print(f"{cfg.data_path}: bpb {totals['bpb']:.4f} | loss {totals['loss']:.4f} | ppl {totals['ppl']:.2f} "
           f"({result['windows']:,} windows of {T} tokens: {totals['tokens']:,} tokens, {totals['bytes']:,} bytes)")
     return result, state
@@ -266,10 +268,10 @@ def eval_sft(cfg: SFTConfig) -> tuple[dict, dict]:
     for i, s in enumerate(result["samples"], 1):
         print(f"--- sample {i} ({cfg.data_path}:{s['line']})\nprompt:    {s['prompt'][-1]['content']}\n"
               f"reference: {s['reference']}\nanswer:    {s['answer']}")
+    how = "greedy" if cfg.temperature == 0 else f"temperature {cfg.temperature}"
     print(f"{cfg.data_path}, {len(records)} conversations: ppl {totals['ppl']:.3f} on {totals['tokens']:,} assistant "
-          f"tokens (bpb {totals['bpb']:.4f}) | {'greedy' if cfg.temperature == 0 else f'temperature {cfg.temperature}'} "
-          f"answers: BLEU-4 {result['bleu4']:.2f} | ROUGE-L F1 {result['rougeL_f1']:.2f} | "
-          f"exact match {result['exact_match']:.1%}")
+          f"tokens (bpb {totals['bpb']:.4f}) | {how} answers: BLEU-4 {result['bleu4']:.2f} | "
+          f"ROUGE-L F1 {result['rougeL_f1']:.2f} | exact match {result['exact_match']:.1%}")
     return result, state
 
 
@@ -332,7 +334,8 @@ def read_questions(task: str, path: str) -> list[Question]:
             columns = [0, 1, 2, 3, 4, 5]
         else:
             header = next(rows, [])
-            names = ["question", "A", "B", "C", "D", "answer"] if task == "ceval" else ["Question", "A", "B", "C", "D", "Answer"]
+            names = ["question", "A", "B", "C", "D", "answer"]
+            names = names if task == "ceval" else [n.capitalize() for n in names]  # CMMLU's
             missing = [n for n in names if n not in header]
             if missing:
                 raise DataError(f"{path}: no column {missing[0]!r} in the header {header} ({task}'s are {names})")
@@ -423,7 +426,8 @@ def eval_choice_questions(tasks, score, tokenizer, method: str, lang: str) -> di
         for q in questions:
             logps = score(make_rows(tokenizer, q, shots, lang))
             per_char = [lp / max(len(o), 1) for lp, o in zip(logps, q.options)]
-            correct.append((int(np.argmax(logps)) == q.answer, int(np.argmax(per_char)) == q.answer, 1 / len(q.options)))
+            correct.append((int(np.argmax(logps)) == q.answer, int(np.argmax(per_char)) == q.answer,
+                            1 / len(q.options)))
         results[subject] = summarise(correct, method)
         hits += correct
     results["overall"] = summarise(hits, method)
@@ -535,7 +539,7 @@ def render(report: dict) -> str:
     for key, s in report["sections"].items():
         md += RENDER[key.split("/")[0]](s) + [""]
     md += ["<details><summary>config</summary>", "", "```json",
-           json.dumps({"config": report["config"], "model_config": report["model_config"]}, indent=1, ensure_ascii=False),
+           json.dumps({k: report[k] for k in ("config", "model_config")}, indent=1, ensure_ascii=False),
            "```", "</details>", ""]
     return "\n".join(md)
 

@@ -6,8 +6,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import sacrebleu  # test-only dependencies (requirements.txt): the reference BLEU and ROUGE
 import torch
 import torch.nn.functional as F
+from rouge_score import rouge_scorer
 
 import eval as ev
 import sample
@@ -80,7 +82,8 @@ def test_validation_bpb_counts_the_answers_bytes_and_not_the_template():
     tok = load_tokenizer()
     convs = [[{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5."},
               {"role": "user", "content": "和呢？"}, {"role": "assistant", "content": "五。"}],
-             [{"role": "user", "content": "Where is Peru?"}, {"role": "assistant", "content": "Peru is in South America."}]]
+             [{"role": "user", "content": "Where is Peru?"},
+              {"role": "assistant", "content": "Peru is in South America."}]]
     model = tiny_model(max_seq_len=64)
     rows = [tuple(np.array(a) for a in encode_chat(tok, c)) for c in convs]
     nats = 0.0
@@ -102,7 +105,7 @@ def test_every_stage_logs_val_bpb(tiny_pretrained, tiny_sft, demo_dir, tmp_path)
     train_dpo.main([f"--init_from={tiny_sft}", f"--data_path={demo_dir}/dpo.jsonl", f"--out_dir={tmp_path}", *TINY_RUN,
                     "--batch_size=4", "--max_steps=1", "--lr=0", "--min_lr=0", "--eval_steps=2"])
     (row,) = [r for r in read_metrics(tmp_path) if "val_loss" in r]
-    # lr 0: the policy is the SFT model, so val_bpb is the SFT model's on the first 2 x 4 validation pairs' chosen answers
+    # lr 0: the policy is the SFT model; val_bpb: its bits per byte on the first 2 x 4 validation pairs' chosen answers
     tok = load_tokenizer()
     _, val = load_split(f"{demo_dir}/dpo.jsonl", None, 0.05, tok, "dpo", max_prompt_length=32,
                         max_completion_length=33, verbose=False)
@@ -136,7 +139,6 @@ def test_words_split_chinese_by_character_and_other_text_by_word_and_punctuation
 
 
 def test_bleu4_equals_sacrebleu():
-    sacrebleu = pytest.importorskip("sacrebleu")  # a test-only dependency (requirements.txt)
     for hyps, refs in ((HYPS, REFS), (REFS, HYPS), (HYPS[:2], REFS[:2])):  # answers shorter, longer
         expected = sacrebleu.corpus_bleu(hyps, [refs], smooth_method="none").score  # its 13a tokenizer agrees here
         assert ev.bleu4(hyps, refs) == pytest.approx(expected, abs=1e-9)
@@ -149,7 +151,6 @@ def test_bleu4_equals_sacrebleu():
 
 
 def test_rouge_l_equals_rouge_score():
-    rouge_scorer = pytest.importorskip("rouge_score.rouge_scorer")
     scorer = rouge_scorer.RougeScorer(["rougeL"])  # lower-cases and drops punctuation: none in HYPS/REFS
     for h, r in zip(HYPS, REFS):
         assert ev.rouge_l(h, r) == pytest.approx(100 * scorer.score(r, h)["rougeL"].fmeasure, abs=1e-9)
