@@ -127,12 +127,10 @@ def eval_bpb(cfg: BpbConfig) -> tuple[dict, dict]:
     data = PretrainData(tokenize_file(cfg.data_path, tokenizer, "pretrain"), T)
     if len(data) == 0:
         raise DataError(f"{cfg.data_path}: fewer than the {T + 1} tokens of one window")
-    n_windows = min(len(data), cfg.max_windows or len(data))
-    loader = Loader(data, cfg.batch_size, tokenizer.pad_id, run.device)
-    n_batches = math.ceil(n_windows / cfg.batch_size)  # whole batches: the last may run past max_windows
-    totals = lm_totals(model, loader.batches(n_batches), count_token_bytes(tokenizer), run)
-    result = {"data_path": cfg.data_path, "windows": min(len(data), n_batches * cfg.batch_size), "window_tokens": T}
-    result |= totals
+    windows = [data[i] for i in range(min(len(data), cfg.max_windows or len(data)))]  # memory-mapped views
+    loader = Loader(windows, cfg.batch_size, tokenizer.pad_id, run.device)
+    totals = lm_totals(model, loader.batches(len(windows)), count_token_bytes(tokenizer), run)
+    result = {"data_path": cfg.data_path, "windows": len(windows), "window_tokens": T} | totals
     print(f"{cfg.data_path}: bpb {totals['bpb']:.4f} | loss {totals['loss']:.4f} | ppl {totals['ppl']:.2f} "
           f"({result['windows']:,} windows of {T} tokens: {totals['tokens']:,} tokens, {totals['bytes']:,} bytes)")
     return result, state
@@ -251,10 +249,8 @@ def eval_sft(cfg: SFTConfig) -> tuple[dict, dict]:
         encoded.append((np.array(ids), np.array(mask)))
         prompts.append(prompt)
         references.append(r["messages"][-1]["content"].strip())
-    batches = (pad_rows(encoded[i : i + cfg.batch_size], tokenizer.pad_id) + (None,)
-               for i in range(0, len(encoded), cfg.batch_size))
-    batches = (tuple(t.to(run.device) if t is not None else t for t in b) for b in batches)
-    totals = lm_totals(model, batches, count_token_bytes(tokenizer), run)
+    loader = Loader([(row,) for row in encoded], cfg.batch_size, tokenizer.pad_id, run.device)
+    totals = lm_totals(model, loader.batches(len(encoded)), count_token_bytes(tokenizer), run)
     answers = generate_answers(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, cfg.batch_size)
 
     result = {"data_path": cfg.data_path, "records": len(records), "answer_tokens": totals["tokens"],

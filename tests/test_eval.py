@@ -2,6 +2,8 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -166,7 +168,7 @@ def test_rouge_l_equals_rouge_score():
 def test_sft_eval_perplexity_answers_and_report(tiny_sft, demo_dir, tmp_path):
     out = tmp_path / "report"
     section = ev.main(["sft", f"--ckpt={tiny_sft}", f"--data_path={demo_dir}/sft.jsonl", "--max_records=6",
-                       "--max_new_tokens=12", "--samples=6", f"--out={out}", *CPU])
+                       "--max_new_tokens=12", "--samples=6", "--batch_size=4", f"--out={out}", *CPU])
     tok, (model, _) = load_tokenizer(), sample.load_model(str(tiny_sft))
     records = [json.loads(line) for line in open(f"{demo_dir}/sft.jsonl", encoding="utf-8")][:6]
     nats = tokens = 0.0
@@ -241,9 +243,10 @@ def test_choice_accuracy_per_subject_and_overall_with_a_stub_scorer():
     character. The rows must score exactly the option's tokens."""
     tok = load_tokenizer()
     logps = {"aa": -1.0, "b": -1.5, "cccc": -3.0, "dd": -4.0,  # per char -0.5, -1.5, -0.75, -2: both right
-             "x": -1.0, "yyyy": -2.0, "zz": -3.0,  # per char -1, -0.5, -1.5: acc wrong, acc_norm right
+             "Rome": -1.0, "Paris": -1.1, "Sydney": -3.0,  # per char -0.25, -0.22, -0.5: acc wrong, acc_norm right
+             # (per token, 1, 1 and 5 of them: -1, -1.1, -0.6, Sydney)
              "p": -1.0, "q": -2.0, "r": -3.0, "s": -4.0}  # both wrong
-    tasks = {"A": ([Q("one?", ["aa", "b", "cccc", "dd"], 0), Q("two?", ["x", "yyyy", "zz"], 1)], []),
+    tasks = {"A": ([Q("one?", ["aa", "b", "cccc", "dd"], 0), Q("two?", ["Rome", "Paris", "Sydney"], 1)], []),
              "B": ([Q("three?", ["p", "q", "r", "s"], 2)], [])}
 
     def stub(rows):
@@ -308,3 +311,14 @@ def test_choice_says_where_to_get_missing_files_and_names_bad_rows(tmp_path):
     (tmp_path / "test" / "law_test.csv").write_text("id,question,A,B,C,D,answer\n0,q,a,b,c,d,\n", encoding="utf-8")
     with pytest.raises(ev.DataError, match=r"law_test.csv:2: answer '' .*--split=val"):
         ev.load_task(ev.ChoiceConfig(task="ceval", data_dir=str(tmp_path), split="test"))
+
+
+def test_cli_help_and_a_missing_data_dir_is_one_error_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        ev.main(["sft", "--help"])
+    assert "--max_records=200" in capsys.readouterr().out
+    result = subprocess.run([sys.executable, "eval.py", "choice", "--task=cmmlu", f"--data_dir={tmp_path}/cmmlu"],
+                            cwd=os.path.dirname(os.path.dirname(__file__)), capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: data_dir") and "haonan-li/cmmlu" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
