@@ -445,7 +445,8 @@ def eval_choice(cfg: ChoiceConfig) -> tuple[dict, dict]:
     lang = TASKS[cfg.task][1]
     results = eval_choice_questions(tasks, model_scorer(model, tokenizer, cfg.batch_size, run), tokenizer,
                                     cfg.method, lang)
-    print(choice_table(results))
+    print(f"{cfg.task} {cfg.split} ({cfg.data_dir}), {cfg.shots}-shot, scored by the option's "
+          f"{'text' if cfg.method == 'text' else 'letter in the chat template'}:\n{choice_table(results)}")
     return {"task": cfg.task, "data_dir": cfg.data_dir, "split": cfg.split, "shots": cfg.shots, "method": cfg.method,
             "subjects": results}, state
 
@@ -523,13 +524,14 @@ def atomic_write(path: str, text: str):
 def render(report: dict) -> str:
     t = report["training"]
     seen = next(f"{t[k]:,} {k}" for k in ("tokens", "conversations", "pairs") if k in t)
-    md = [f"# {report['checkpoint']}", "",
-          f"{report['stage']} checkpoint at step {report['step']}; the run: {t.get('steps', '?')} steps, {seen} seen "
-          f"({t['ranks']} rank(s)), {t['wall_time_s'] / 60:.1f} min." if "wall_time_s" in t else
-          f"{report['stage']} checkpoint at step {report['step']}; {seen} seen; {t.get('metrics', '')}.", ""]
+    here = os.path.relpath(report["checkpoint"])
+    md = [f"# {report['checkpoint'] if here.startswith('..') else here}", "",
+          f"{report['stage']} checkpoint at step {report['step']} ({seen} seen, {t['ranks']} rank(s))"
+          + (f" of a {t['steps']}-step run of {t['wall_time_s'] / 60:.1f} min." if "steps" in t else f"; {t['metrics']}."),
+          ""]
     if "final_val_loss" in t:
         bpb = f", val_bpb {t['final_val_bpb']:.4f}" if "final_val_bpb" in t else ""
-        md += [f"Validation loss: final {t['final_val_loss']:.4f} (step {t['final_val_step']}{bpb}), best "
+        md += [f"The run's validation loss: final {t['final_val_loss']:.4f} (step {t['final_val_step']}{bpb}), best "
                f"{t['best_val_loss']:.4f} (step {t['best_val_step']}).", ""]
     md += [f"![{os.path.basename(p)}]({p})" for p in report["plots"]] + [""] * bool(report["plots"])
     for key, s in report["sections"].items():
