@@ -49,6 +49,14 @@ class EvalConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16 (autocast)
     seed: int = 1337  # sampling with temperature > 0
 
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"config key 'dtype' must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
+            raise ConfigError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+        if self.batch_size < 1:
+            raise ConfigError(f"config key 'batch_size' must be at least 1, got {self.batch_size}")
+
 
 @dataclasses.dataclass
 class BpbConfig(EvalConfig):
@@ -80,6 +88,7 @@ class ChoiceConfig(EvalConfig):
     method: str = "text"  # text: log-prob of each option's text (acc, acc_norm); letter: of its letter, chat template
 
     def __post_init__(self):
+        super().__post_init__()
         if self.task not in TASKS:
             raise ConfigError(f"config key 'task' must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.method not in ("text", "letter"):

@@ -20,6 +20,7 @@ from conftest import TINY_RUN, read_metrics
 from data import Loader, SFTData, encode_chat, load_split, pad_rows
 from model import ModelConfig, Transformer
 from tokenizer import load_tokenizer
+from train_tokenizer import main as train_tokenizer
 from train_utils import Run, count_token_bytes, validation_loss
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -47,9 +48,16 @@ def write_jsonl(path, records) -> str:
 # -----------------------------------------------------------------------------
 # bits per byte
 
-def test_token_bytes_add_up_to_the_text_and_special_tokens_count_zero():
+def test_token_bytes_add_up_to_the_text_and_special_tokens_count_zero(tmp_path):
     text = "Bits per byte: 每个字节的比特数 (ünïcödé, emoji 🙂🚀), digits 12345.\n\tend"
-    for tok in (load_tokenizer(), load_tokenizer(os.path.join(FIXTURES, "minimind"))):
+    corpus = tmp_path / "corpus.txt"  # a small SentencePiece model: its byte pieces must count 1 byte each
+    words = "the quick brown fox jumps over a lazy dog while 敏捷的棕色狐狸跳过了懒狗 and bits per byte".split()
+    corpus.write_text("\n\n".join(" ".join(words[i % 7 :] + words[: i % 5]) for i in range(300)), encoding="utf-8")
+    train_tokenizer(["--input", str(corpus), "--vocab_size", "320", "--out", str(tmp_path / "sp"),
+                     "--backend", "sentencepiece"])
+    sentencepiece = load_tokenizer(tmp_path / "sp")
+    assert sentencepiece.__class__.__name__ == "SentencePieceTokenizer"
+    for tok in (load_tokenizer(), load_tokenizer(os.path.join(FIXTURES, "minimind")), sentencepiece):
         counts = count_token_bytes(tok)
         assert int(counts[tok.encode(text)].sum()) == len(text.encode("utf-8"))
         assert counts[tok.bos_id] == counts[tok.eos_id] == counts[tok.pad_id] == 0
