@@ -13,15 +13,15 @@ import sys
 
 import torch
 
-from data import encode_chat, load_tokenizer
+from data import encode_chat
 from model import Transformer
-from train_utils import cli, model_from_checkpoint
+from train_utils import checkpoint_tokenizer, cli, model_from_checkpoint
 
 
 def load_model(path: str, device: str = "cpu") -> tuple[Transformer, dict]:
-    """An eval-mode model from a checkpoint, and the checkpoint's config (which says its stage)."""
+    """An eval-mode model from a checkpoint, and the checkpoint (its stage, config and tokenizer)."""
     model, state = model_from_checkpoint(path, device)
-    return model.eval(), state["config"] | {"stage": state["stage"]}
+    return model.eval(), state
 
 
 def prompt_ids(tokenizer, history: list[dict], user: str, system: str | None, max_len: int, chat: bool) -> list[int]:
@@ -82,7 +82,7 @@ def parse_args(argv):
     p.add_argument("--ckpt", required=True, help="a checkpoint written by train_pretrain/sft/dpo.py")
     p.add_argument("--prompt", help="answer this once and exit; without it, chat interactively")
     p.add_argument("--system", help="system prompt (chat checkpoints)")
-    p.add_argument("--tokenizer_path", help="default: the tokenizer shipped in tokenizer/")
+    p.add_argument("--tokenizer_path", help="default: the checkpoint's (its chat template comes with it)")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
     p.add_argument("--top_k", type=int, default=None)
     p.add_argument("--top_p", type=float, default=0.9)
@@ -96,17 +96,17 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    model, config = load_model(args.ckpt, args.device)
-    tokenizer = load_tokenizer(args.tokenizer_path)
-    chat = config["stage"] != "pretrain"
+    model, state = load_model(args.ckpt, args.device)
+    tokenizer = checkpoint_tokenizer(state, args.tokenizer_path)
+    chat = state["stage"] != "pretrain"
     if args.max_new_tokens >= model.config.max_seq_len:
         sys.exit(f"--max_new_tokens must be below the model's max_seq_len ({model.config.max_seq_len})")
     if args.prompt is not None:
         budget = model.config.max_seq_len - args.max_new_tokens
         respond(model, tokenizer, prompt_ids(tokenizer, [], args.prompt, args.system, budget, chat), args, sys.stdout)
         return
-    print(f"{config['stage']} checkpoint {args.ckpt}: " + ("chat in the template; " if chat else "plain continuation; ")
-          + "Ctrl-C stops an answer, Ctrl-D or Ctrl-C at the prompt quits")
+    mode = f"chat in the {tokenizer.chat_template} template" if chat else "plain continuation"
+    print(f"{state['stage']} checkpoint {args.ckpt}: {mode}; Ctrl-C stops an answer, Ctrl-D or Ctrl-C at the prompt quits")
     chat_loop(model, tokenizer, args, chat)
 
 

@@ -89,6 +89,8 @@ class Tokenizer:
     eos_id: int
     pad_id: int
     chat_tokens: dict[str, list[int]]  # "[INST]", "[/INST]", "<<SYS>>", "<</SYS>>" -> ids
+    chat_template: str | None = "llama2"  # encode_chat's: "llama2" ([INST]), "chatml" (MiniMind's), None (neither)
+    added_tokens: dict[str, int] = {}  # text -> id of tokens matched in chat-template markup (chatml)
     fingerprint: str  # hash of the tokenizer file(s): caches of encoded data key on it
 
     def encode(self, text: str) -> list[int]:
@@ -317,6 +319,19 @@ def _hf_bos_eos_pad(config: dict, added: dict[str, int]) -> tuple[int, int, int]
     return (eos if bos is None else bos), eos, (eos if pad is None else pad)
 
 
+def _hf_chat_template(config: dict, added: dict[str, int]) -> str | None:
+    """"chatml" when tokenizer_config.json's chat_template is ChatML (<|im_start|>role ... <|im_end|>,
+    both added tokens): data.encode_chat then renders MiniMind's rules, think blocks and tools
+    included. Without a chat_template, "llama2" with [INST] spelled as text. None for any other
+    template: pretraining works, and encode_chat refuses rather than render it wrongly."""
+    template = config.get("chat_template")
+    if template is None:
+        return "llama2"
+    if isinstance(template, str) and "<|im_start|>" in template and {"<|im_start|>", "<|im_end|>"} <= set(added):
+        return "chatml"
+    return None
+
+
 class HFTokenizer(Tokenizer):
     """A Hugging Face tokenizer.json holding a byte-level BPE, such as MiniMind's, run by tiktoken
     with ranks rebuilt from its vocab and merges and its own pre-tokenisation regex.
@@ -355,6 +370,7 @@ class HFTokenizer(Tokenizer):
         # a file without chat pieces (MiniMind's) spells "[INST]" as ordinary text, as LLaMA-2 does
         self.chat_tokens = {t: [self.added_tokens[t]] if t in self.added_tokens else self.encode(t)
                             for t in CHAT_TOKENS}
+        self.chat_template = _hf_chat_template(config, self.added_tokens)
         self.fingerprint = _fingerprint(*(f for f in (file, config_file) if f.is_file()))
 
     def encode(self, text: str) -> list[int]:

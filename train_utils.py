@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from data import DataError
 from model import ModelConfig, Transformer
-from tokenizer import TokenizerError
+from tokenizer import TokenizerError, load_tokenizer
 
 
 # -----------------------------------------------------------------------------
@@ -107,6 +107,7 @@ class FinetuneConfig(TrainConfig):
     init_from: str = "out/pretrain/best.pt"  # the checkpoint to start from; its model config is used
     # --- data
     val_fraction: float = 0.05
+    tokenizer_path: str | None = None  # None: the init_from checkpoint's tokenizer (another one is refused)
     skip_bad: bool = False  # skip (and count) malformed records instead of stopping at the first
     # --- model switches (the architecture comes from init_from)
     flash: bool | None = None  # None: SDPA on CUDA, the math path elsewhere (see ModelConfig)
@@ -566,11 +567,27 @@ def model_from_checkpoint(path: str, device="cpu", **overrides):
     return model.to(device), state
 
 
+def checkpoint_tokenizer(state: dict, tokenizer_path: str | None = None):
+    """The tokenizer a checkpoint was trained with: the one its config names (None: the shipped one), or
+    tokenizer_path, which must hold the same files: other ids would turn its output into wrong text, silently."""
+    path = tokenizer_path if tokenizer_path is not None else state.get("config", {}).get("tokenizer_path")
+    tokenizer = load_tokenizer(path)
+    recorded = state.get("tokenizer")  # absent from checkpoints written before it was recorded
+    if recorded and recorded["fingerprint"] != tokenizer.fingerprint:
+        raise TokenizerError(f"tokenizer {path or 'tokenizer/'} is not the one the checkpoint was trained with "
+                             f"({recorded['path'] or 'tokenizer/'}, {recorded['chat_template']} chat template)")
+    return tokenizer
+
+
 def finetune_model(cfg, run: Run) -> Transformer:
     """SFT and DPO: the init_from model (strictly: every key, every shape) with this run's switches (flash,
-    grad_checkpoint, dropout) and, with freeze_embeddings, its token embedding frozen."""
-    model, _ = model_from_checkpoint(cfg.init_from, run.device, flash=cfg.flash, grad_checkpoint=cfg.grad_checkpoint,
-                                     dropout=cfg.dropout)
+    grad_checkpoint, dropout) and, with freeze_embeddings, its token embedding frozen. Sets cfg.tokenizer_path to
+    the checkpoint's tokenizer when it is None, and refuses another tokenizer."""
+    model, state = model_from_checkpoint(cfg.init_from, run.device, flash=cfg.flash,
+                                         grad_checkpoint=cfg.grad_checkpoint, dropout=cfg.dropout)
+    if cfg.tokenizer_path is None:
+        cfg.tokenizer_path = state.get("config", {}).get("tokenizer_path")
+    checkpoint_tokenizer(state, cfg.tokenizer_path)
     model.tok_embeddings.weight.requires_grad_(not cfg.freeze_embeddings)
     return model
 
@@ -596,6 +613,9 @@ class Checkpoints:
 
     def __init__(self, cfg, model_cfg, stage: str, run: Run, model, optimizer, scaler, loader, guard, early):
         self.cfg, self.model_cfg, self.stage, self.run = cfg, model_cfg, stage, run
+        tokenizer = load_tokenizer(cfg.tokenizer_path)  # recorded: sampling, serving and export use the same
+        self.tokenizer = {"path": cfg.tokenizer_path, "fingerprint": tokenizer.fingerprint,
+                          "chat_template": tokenizer.chat_template}
         self.parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "loader": loader, "guard": guard,
                       "early_stopping": early}
 
@@ -603,7 +623,7 @@ class Checkpoints:
         """Write out_dir/name atomically (every rank must call this: RNG states are gathered; rank 0 writes);
         after a step_*.pt, keep only the newest keep_checkpoints of them."""
         state = {key: part.state_dict() for key, part in self.parts.items()}
-        state |= {"step": step, "stage": self.stage, "config": dataclasses.asdict(self.cfg),
+        state |= {"step": step, "stage": self.stage, "config": dataclasses.asdict(self.cfg), "tokenizer": self.tokenizer,
                   "model_config": dataclasses.asdict(self.model_cfg), "rng": gather_rng_states(self.run)}
         if self.run.ddp:  # DDP keeps replicas identical; prove it rather than checkpoint one of many
             state["rank_weight_diff"] = rank_weight_diff(self.parts["model"], self.run)

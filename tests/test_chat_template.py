@@ -1,0 +1,244 @@
+"""MiniMind's ChatML template: data.encode_chat gives token for token what transformers' apply_chat_template gives
+with MiniMind's tokenizer_config.json (the Jinja template itself, run by the library), and its loss mask covers
+exactly what the assistant writes."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from data import BadRecord, encode_chat, encode_dpo, encode_sft, tokenize_file
+from tokenizer import load_tokenizer
+
+MINIMIND = Path(__file__).resolve().parent / "fixtures" / "minimind"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "查询城市天气",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "now", "description": "current time", "parameters": {}}}
+TOOLS = json.dumps([WEATHER, CLOCK], ensure_ascii=False)
+
+# MiniMind's record format: tools as a JSON string on the system message, tool_calls as a JSON string or a list
+CONVERSATIONS = {
+    "one turn": [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "你好！我是 minimind。"}],
+    "system, several turns": [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5."},
+        {"role": "user", "content": "And times 4?"}, {"role": "assistant", "content": "(2 + 3) × 4 = 20 🎉"}],
+    "reasoning_content": [
+        {"role": "user", "content": "17 是质数吗？"},
+        {"role": "assistant", "content": "是的。", "reasoning_content": "\n17 只能被 1 和 17 整除。\n"}],
+    "think inside content": [
+        {"role": "user", "content": "Think first."},
+        {"role": "assistant", "content": "<think>\nStep one.\nStep two.\n</think>\n\nThe answer is 42."}],
+    "tools, calls, results": [
+        {"role": "system", "content": "你是一个助手。", "tools": TOOLS},
+        {"role": "user", "content": "北京天气怎么样？现在几点？"},
+        {"role": "assistant", "content": "",
+         "tool_calls": json.dumps([{"name": "get_weather", "arguments": {"city": "北京"}},
+                                   {"name": "now", "arguments": "{}"}], ensure_ascii=False)},
+        {"role": "tool", "content": '{"weather": "晴", "temp": 21}'},
+        {"role": "tool", "content": '{"time": "10:00"}'},
+        {"role": "assistant", "content": "北京晴，21°C；现在 10:00。"}],
+    "call with content, object arguments": [
+        {"role": "system", "content": "", "tools": [WEATHER]},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Let me check.",
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny.", "reasoning_content": "The tool said sunny."}],
+    "code and whitespace": [
+        {"role": "user", "content": "def f(x):\n    return x  # why?\n\n\n"},
+        {"role": "assistant", "content": "\n\n  It returns x.\t \n"}],
+    "generation prompt": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "再见 👋"}],
+    "generation prompt after tool results": [
+        {"role": "system", "content": "", "tools": TOOLS},
+        {"role": "user", "content": "几点了"},
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "now", "arguments": {}}]},
+        {"role": "tool", "content": "10:00"}],
+    "system later in the conversation": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        {"role": "system", "content": "Now answer in French."}, {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"}],
+    "empty reasoning and content": [
+        {"role": "user", "content": "?"}, {"role": "assistant", "content": "", "reasoning_content": ""}],
+    "tools, assistant content a newline": [
+        {"role": "system", "content": "Use tools.", "tools": TOOLS},
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": "\n", "tool_calls": '[{"name": "now", "arguments": {}}]'},
+        {"role": "tool", "content": "noon"}, {"role": "assistant", "content": "It is noon."}],
+}
+
+
+@pytest.fixture(scope="module")
+def ours():
+    tok = load_tokenizer(MINIMIND)
+    assert tok.chat_template == "chatml"
+    return tok
+
+
+@pytest.fixture(scope="module")
+def library():
+    return AutoTokenizer.from_pretrained(str(MINIMIND))
+
+
+def library_inputs(messages):
+    """What MiniMind's SFTDataset hands apply_chat_template: tools from the system message, tool_calls parsed."""
+    tools, parsed = None, []
+    for m in messages:
+        m = dict(m)
+        if m.get("role") == "system" and m.get("tools"):
+            tools = json.loads(m["tools"]) if isinstance(m["tools"], str) else m["tools"]
+        if isinstance(m.get("tool_calls"), str):
+            m["tool_calls"] = json.loads(m["tool_calls"])
+        parsed.append(m)
+    return parsed, tools
+
+
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_ids_equal_apply_chat_template(ours, library, name):
+    messages = CONVERSATIONS[name]
+    parsed, tools = library_inputs(messages)
+    generation = messages[-1]["role"] != "assistant"
+    expected = library.apply_chat_template(parsed, tools=tools, tokenize=True, add_generation_prompt=generation,
+                                           return_dict=False)
+    ids, mask = encode_chat(ours, messages)
+    assert ids == expected
+    assert len(mask) == len(ids)
+
+
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_loss_mask_is_what_the_assistant_writes(ours, library, name):
+    """Each run of loss tokens decodes to one assistant turn as the library renders it, from <think> through
+    <|im_end|>; nothing else (system, user, tool results, <|im_start|>assistant\\n, the \\n after) carries loss."""
+    messages = CONVERSATIONS[name]
+    parsed, tools = library_inputs(messages)
+    text = library.apply_chat_template(parsed, tools=tools, tokenize=False,
+                                       add_generation_prompt=messages[-1]["role"] != "assistant")
+    expected = re.findall(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", text, flags=re.S)
+    ids, mask = encode_chat(ours, messages)
+    runs, run = [], []
+    for token, m in zip(ids + [None], mask + [0]):
+        if m:
+            run.append(token)
+        elif run:
+            runs, run = runs + [ours.decode(run)], []
+    assert runs == expected
+    assert len(runs) == sum(m["role"] == "assistant" for m in messages)
+
+
+def test_special_token_text_in_data_stays_text(ours):
+    """A user who types <|im_end|> or <think> does not end the turn or open a think block (the library would
+    match them: the one deliberate difference)."""
+    ids, _ = encode_chat(ours, [{"role": "user", "content": "<|im_end|><think>"}, {"role": "assistant", "content": "ok"}])
+    user = ids[ids.index(ours.added_tokens["<|im_start|>"]) + 1: ids.index(ours.added_tokens["<|im_end|>"])]
+    assert ours.decode(user) == "user\n<|im_end|><think>"
+    assert ours.added_tokens["<think>"] not in user and ours.added_tokens["<|im_end|>"] not in user
+
+
+def test_too_long_drops_earliest_turns_and_keeps_the_system_block(ours):
+    messages = CONVERSATIONS["tools, calls, results"] + [
+        {"role": "user", "content": "谢谢"}, {"role": "assistant", "content": "不客气。"}]
+    full, _ = encode_chat(ours, messages)
+    last_turn, last_mask = encode_chat(ours, messages[:1] + messages[-2:])
+    assert len(last_turn) < len(full)
+    assert encode_chat(ours, messages, max_len=len(full) - 1) == (last_turn, last_mask)
+    assert encode_chat(ours, messages, max_len=len(last_turn) - 3) == (last_turn[:-3], last_mask[:-3])
+
+
+def test_sft_record_ends_at_the_last_im_end(ours):
+    """encode_sft keeps the conversation up to the last <|im_end|>: the closing \\n carries no loss."""
+    messages = CONVERSATIONS["system, several turns"]
+    (ids, mask), notes = encode_sft(ours, {"conversations": messages})
+    full, full_mask = encode_chat(ours, messages)
+    assert list(ids) == full[:-1] and list(mask) == full_mask[:-1] and ids[-1] == ours.eos_id and notes == []
+
+
+def test_dpo_answers_are_the_sft_answer_tokens(ours):
+    """A DPO pair in MiniMind's message-list format: the prompt ends with <|im_start|>assistant\\n and each answer
+    is exactly the loss tokens SFT would train on, think block and <|im_end|> included."""
+    prompt = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Say hi"}]
+    chosen, rejected = {"role": "assistant", "content": "Hi! 😊"}, {"role": "assistant", "content": "No."}
+    (p, c, r), notes = encode_dpo(ours, {"chosen": prompt + [chosen], "rejected": prompt + [rejected]})
+    for answer, ids in ((chosen, c), (rejected, r)):
+        full, mask = encode_chat(ours, prompt + [answer])
+        assert list(p) + list(ids) == full[:-1]
+        assert [m for m in mask[:-1]] == [0] * len(p) + [1] * len(ids)
+    assert ours.decode(list(p)).endswith("<|im_start|>assistant\n") and ours.decode(list(c)) == (
+        "<think>\n\n</think>\n\nHi! 😊<|im_end|>")
+
+
+@pytest.mark.parametrize("messages, reason", [
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": "[{not json"}],
+     "tool_calls' is not valid JSON"),
+    ([{"role": "user", "content": "a"}, {"role": "tool", "content": "r"}, {"role": "assistant", "content": "b"}],
+     "no assistant message before it calls a tool"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": [{"arguments": {}}]}],
+     "name, arguments"),
+    ([{"role": "user", "content": "a", "tools": TOOLS}, {"role": "assistant", "content": "b"}],
+     "'tools' belongs on the first message"),
+    ([{"role": "system", "content": "s", "tools": "{oops"}, {"role": "user", "content": "a"}], "tools' is not valid"),
+    ([{"role": "robot", "content": "a"}], "unknown role"),
+    ([{"role": "user", "content": 3}], "'content' must be a string"),
+])
+def test_malformed_records_are_clear_errors(ours, messages, reason):
+    with pytest.raises(BadRecord, match=reason):
+        encode_chat(ours, messages)
+
+
+def test_file_line_of_a_malformed_record(ours, tmp_path):
+    good = {"conversations": CONVERSATIONS["tools, calls, results"]}
+    bad = {"conversations": [{"role": "user", "content": "a"}, {"role": "tool", "content": "r"},
+                             {"role": "assistant", "content": "b"}]}
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in (good, good, bad)), encoding="utf-8")
+    with pytest.raises(BadRecord, match=r"sft\.jsonl:3: .*no assistant message before it calls a tool"):
+        tokenize_file(str(path), ours, "sft", processes=1, verbose=False)
+
+
+def test_the_inst_template_names_chatml_for_tool_data():
+    shipped = load_tokenizer()
+    assert shipped.chat_template == "llama2"
+    with pytest.raises(BadRecord, match="ChatML"):
+        encode_chat(shipped, CONVERSATIONS["tools, calls, results"][1:])
+    with pytest.raises(BadRecord, match="reasoning_content.*ChatML"):
+        encode_chat(shipped, CONVERSATIONS["reasoning_content"])
+
+
+def test_minimind_tokenizer_through_pretrain_sft_and_sample(demo_dir, tmp_path, library, monkeypatch):
+    """Pretraining with MiniMind's tokenizer records it (and its ChatML template) in the checkpoint; SFT on
+    tool-calling records finds it there without --tokenizer_path and refuses another; sample.py prompts in
+    the library's generation prompt."""
+    import sample
+    import train_pretrain
+    import train_sft
+    from conftest import TINY_MODEL, TINY_RUN
+    from tokenizer import TokenizerError
+
+    pre, sft = tmp_path / "pretrain", tmp_path / "sft"
+    train_pretrain.main([f"--data_path={demo_dir}/pretrain.jsonl", f"--out_dir={pre}", f"--tokenizer_path={MINIMIND}",
+                         *TINY_MODEL, *TINY_RUN, "--batch_size=8", "--warmup_steps=2", "--max_steps=4",
+                         "--eval_interval=4", "--max_seq_len=64"])
+    data = tmp_path / "sft.jsonl"
+    records = [{"conversations": c} for c in CONVERSATIONS.values() if c[-1]["role"] == "assistant"]
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records * 4), encoding="utf-8")
+    args = [f"--init_from={pre}/best.pt", f"--data_path={data}", *TINY_RUN, "--batch_size=4", "--max_steps=3",
+            "--eval_interval=3", "--max_seq_len=64", "--val_fraction=0.25"]
+    with pytest.raises(TokenizerError, match="not the one the checkpoint was trained with"):
+        train_sft.main([*args, f"--out_dir={tmp_path / 'wrong'}", "--tokenizer_path=tokenizer"])
+    train_sft.main([*args, f"--out_dir={sft}"])
+    state = torch.load(sft / "best.pt", weights_only=False)
+    assert state["config"]["tokenizer_path"] == str(MINIMIND)
+    assert state["tokenizer"]["chat_template"] == "chatml"
+
+    fed = []
+    monkeypatch.setattr(sample, "respond", lambda model, tok, ids, args, out=None: fed.append(ids) or "")
+    sample.main(["--ckpt", str(sft / "best.pt"), "--prompt", "北京天气？", "--system", "Be brief.",
+                 "--max_new_tokens", "8"])
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "北京天气？"}]
+    assert fed == [library.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)]
