@@ -29,11 +29,10 @@ from collections import Counter, defaultdict
 import numpy as np
 import torch
 
-from data import (BadRecord, DataError, Loader, PretrainData, encode_chat, load_tokenizer, pad_rows, parse_line,
-                  tokenize_file)
+from data import BadRecord, DataError, Loader, PretrainData, encode_chat, pad_rows, parse_line, tokenize_file
 from train_dpo import sequence_logprobs
-from train_utils import (ConfigError, bits_per_byte, cli, count_token_bytes, load_config, lm_sums,
-                         model_from_checkpoint, parse_row, perplexity, setup)
+from train_utils import (ConfigError, bits_per_byte, checkpoint_tokenizer, cli, count_token_bytes, load_config,
+                         lm_sums, model_from_checkpoint, parse_row, perplexity, setup)
 
 
 @dataclasses.dataclass
@@ -42,7 +41,7 @@ class EvalConfig:
     ckpt: str = "out/sft/best.pt"  # a checkpoint written by train_pretrain/sft/dpo.py
     out: str | None = None  # where report.md and report.json go; None: the checkpoint's directory
     plots: str | None = None  # a directory of plot.py's pictures for the report to link; None: the checkpoint's
-    tokenizer_path: str | None = None  # None: the one the checkpoint was trained with
+    tokenizer_path: str | None = None  # None: the one the checkpoint was trained with (another one is refused)
     # --- system
     batch_size: int = 16  # sequences per forward pass
     device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
@@ -104,7 +103,7 @@ def load(cfg: EvalConfig):
     """(eval-mode model, its tokenizer, the checkpoint's state, Run)."""
     run = setup(cfg.device, cfg.dtype, cfg.seed)
     model, state = model_from_checkpoint(cfg.ckpt, run.device)
-    tokenizer = load_tokenizer(cfg.tokenizer_path or state["config"].get("tokenizer_path"))
+    tokenizer = checkpoint_tokenizer(state, cfg.tokenizer_path)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but {cfg.ckpt}'s model only "
                           f"{model.config.vocab_size}: pass the tokenizer_path it was trained with")

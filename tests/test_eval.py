@@ -202,6 +202,32 @@ def test_sft_eval_perplexity_answers_and_report(tiny_sft, demo_dir, tmp_path):
     assert f"| {section['ppl']:.3f} |" in md and refs[0] in md
 
 
+def test_sft_eval_in_the_chatml_template(tmp_path):
+    """MiniMind's tokenizer: the same perplexity by hand, and bits per byte over what the assistant's turn writes
+    ("<think>\\n\\n</think>\\n\\n" then the answer: the tags and <|im_end|> are special, the 4 newlines are bytes)."""
+    tok_dir = os.path.join(FIXTURES, "minimind")
+    tok, model = load_tokenizer(tok_dir), tiny_model(max_seq_len=64)
+    ckpt = save_checkpoint(tmp_path / "chatml.pt", model, stage="sft")
+    state = torch.load(ckpt, weights_only=False)
+    state["config"]["tokenizer_path"] = tok_dir
+    torch.save(state, ckpt)
+    convs = [[{"role": "user", "content": "肯尼亚的首都是哪里？"}, {"role": "assistant", "content": "内罗毕。"}],
+             [{"role": "user", "content": "Where is Peru?"}, {"role": "assistant", "content": "In South America."}]]
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"conversations": c} for c in convs])
+    section = ev.main(["sft", f"--ckpt={ckpt}", f"--data_path={data}", "--max_new_tokens=6", *CPU])
+    nats = 0.0
+    for c in convs:
+        ids, mask = encode_chat(tok, c)
+        X, Y, M = pad_rows([(np.array(ids), np.array(mask))], tok.pad_id)
+        with torch.no_grad():
+            nats += model(X, Y, M, reduction="sum")[1].item()
+    n_bytes = sum(4 + len(c[-1]["content"].encode()) for c in convs)
+    assert section["bpb"] == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
+    args = SimpleNamespace(max_new_tokens=6, temperature=0, top_k=None, top_p=None, repetition_penalty=1.0)
+    for c, s in zip(convs, section["samples"]):
+        assert s["answer"] == sample.respond(model, tok, encode_chat(tok, c[:-1])[0], args).strip()
+
+
 def test_sft_eval_names_a_bad_line(tiny_sft, tmp_path):
     data = write_jsonl(tmp_path / "bad.jsonl", [{"conversations": [{"role": "user", "content": "hi"},
                                                                    {"role": "assistant", "content": "hello"}]},
