@@ -290,7 +290,7 @@ class Question:
 
 
 LETTERS = "ABCDE"
-TASKS = {  # where its files come from; the answer and question columns; the prompt's words
+TASKS = {  # task: (where its files come from, the language of its prompts)
     "ceval": ("https://huggingface.co/datasets/ceval/ceval-exam (ceval-exam.zip: val/, dev/, test/)", "zh"),
     "cmmlu": ("https://huggingface.co/datasets/haonan-li/cmmlu (cmmlu_v1_0_1.zip: dev/, test/)", "zh"),
     "mmlu": ("https://people.eecs.berkeley.edu/~hendrycks/data.tar (its data/ folder: dev/, val/, test/)", "en"),
