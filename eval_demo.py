@@ -18,6 +18,7 @@ from collections import defaultdict
 import torch
 
 from data import DPOData, Loader, encode_chat, load_tokenizer, tokenize_file
+from eval import generate_answers
 from sample import load_model
 from train_dpo import sequence_logprobs
 from train_utils import cli
@@ -27,27 +28,6 @@ HAN = re.compile(r"[\u4e00-\u9fff]")
 
 def answer_language(text: str) -> str:
     return "zh" if HAN.search(text) else "en"
-
-
-@torch.no_grad()
-def answer_all(model, tokenizer, questions: list[str], max_new_tokens: int = 48, batch_size: int = 64) -> list[str]:
-    """Greedy answers. Prompts of equal length share a batch, so no padding (and no attention mask) is needed."""
-    prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}])[0] for q in questions]
-    by_length = defaultdict(list)
-    for i, ids in enumerate(prompts):
-        by_length[len(ids)].append(i)
-    answers = [""] * len(questions)
-    device = next(model.parameters()).device
-    for length, indices in by_length.items():
-        for start in range(0, len(indices), batch_size):
-            chunk = indices[start : start + batch_size]
-            idx = torch.tensor([prompts[i] for i in chunk], device=device)
-            new = min(max_new_tokens, model.config.max_seq_len - length)
-            out = model.generate(idx, new, temperature=0, eos_id=tokenizer.eos_id)[:, length:]
-            for i, row in zip(chunk, out.tolist()):
-                row = row[: row.index(tokenizer.eos_id)] if tokenizer.eos_id in row else row
-                answers[i] = tokenizer.decode(row).strip(" ")
-    return answers
 
 
 def score(items: list[dict], answers: list[str]) -> dict[str, tuple[float, float, int]]:
@@ -96,7 +76,8 @@ def main(argv=None):
     results, preferences = {}, {}
     for path in args.ckpts:
         model, _ = load_model(path)
-        answers = answer_all(model, tokenizer, [it["question"] for it in items])
+        prompts = [encode_chat(tokenizer, [{"role": "user", "content": it["question"]}])[0] for it in items]
+        answers = generate_answers(model, tokenizer, prompts, max_new_tokens=48)
         results[path] = score(items, answers)
         if pairs is not None:
             own = pair_logprobs(model, pairs, tokenizer.pad_id, args.length_norm)

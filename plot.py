@@ -158,6 +158,8 @@ def plot_runs(runs: dict[str, list[dict]], out_dir: str, window: int = 20) -> li
     colors = {name: f"C{i % 10}" for i, name in enumerate(runs)}
     panels = [("loss", "loss", False), ("lr", "learning rate", False), ("grad_norm", "gradient norm", True),
               ("tokens_per_s", "tokens/s", False), ("mem_gb", "peak memory (GB)", False)]
+    if any("val_bpb" in r for rows in runs.values() for r in rows):
+        panels.append(("bpb", "validation bits per byte", False))  # across tokenizers, unlike the loss
     if any(is_dpo(rows) for rows in runs.values()):
         panels += [("reward_margin", "reward margin (chosen - rejected)", False), ("reward_acc", "reward accuracy", False)]
     split_runs = [name for name, rows in runs.items() if any("frac_forward" in r for r in rows)]
@@ -178,7 +180,7 @@ def plot_runs(runs: dict[str, list[dict]], out_dir: str, window: int = 20) -> li
                 ax.plot(steps, smooth(values, window), color=colors[name], label=f"{name} train")
             elif len(values):
                 ax.plot(steps, values, color=colors[name], label=name)
-            val_steps, val_values = series(rows, "val_" + key)  # val_loss, val_reward_margin, val_reward_acc
+            val_steps, val_values = series(rows, "val_" + key)  # val_loss, val_bpb, val_reward_margin, ...
             if len(val_values):
                 ax.plot(val_steps, val_values, "o--", color=colors[name], ms=4, label=f"{name} val")
         if log_y and ax.has_data():

@@ -7,7 +7,7 @@ paragraphs about one country, as runs of sums, and as FAQ-style questions with t
 and DPO pairs never mention the held-out countries and sums; eval.jsonl asks about them. So the evaluation
 measures whether SFT taught the model to answer in the chat template with what pretraining knew.
 
-    python prepare_demo.py            # -> data/demo/{pretrain,sft,dpo,dpo_eval,eval}.jsonl
+    python prepare_demo.py            # -> data/demo/{pretrain,sft,dpo,dpo_eval,eval,eval_sft}.jsonl
 
 It is synthetic: real training uses MiniMind-format files (see README).
 """
@@ -324,6 +324,9 @@ def main(argv=None):
         q, ans = sum_qa(a, b, lang, rng)
         evals.append({"kind": "sum", "lang": lang, "question": q, "answer": ans})
     write_jsonl(f"{args.out_dir}/eval.jsonl", evals)
+    write_jsonl(f"{args.out_dir}/eval_sft.jsonl",  # the same, as SFT conversations: for eval.py sft
+                ({"conversations": [{"role": "user", "content": e["question"]},
+                                    {"role": "assistant", "content": e["answer"]}]} for e in evals))
     print(f"wrote {args.out_dir}/: {len(docs)} pretraining documents, {args.sft} conversations, "
           f"{args.dpo} + 200 DPO pairs, {len(evals)} held-out questions")
 

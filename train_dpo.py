@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 from data import DPOData, Loader, expand_paths, file_digest, load_split, load_tokenizer
 from train_utils import (ConfigError, EarlyStopping, FinetuneConfig, MetricsLog, StepTimer, StopSignal, all_reduce_mean,
-                         checkpoint_to_resume, cli, clip_gradients, evaluate, finetune_model, get_lr, load_config,
-                         model_from_checkpoint, prepare_training, print0, print_run, schedule_length, set_lr, setup,
-                         start_profiler, teardown, wrap)
+                         bits_per_byte, checkpoint_to_resume, cli, clip_gradients, count_token_bytes, evaluate,
+                         finetune_model, get_lr, load_config, lm_sums, model_from_checkpoint, prepare_training, print0,
+                         print_run, schedule_length, set_lr, setup, start_profiler, teardown, wrap)
 
 
 @dataclasses.dataclass
@@ -139,17 +139,21 @@ def pair_loss(policy, reference: Reference, batch, split: str, cfg):
     return dpo_loss(*logps.chunk(2), *reference.logprobs(X, Y, loss_mask, idx, split), cfg.beta)
 
 
-def validation_metrics(model, reference: Reference, val_loader, cfg, run) -> dict[str, float]:
-    """val_loss and the validation rewards, on the first eval_steps validation batches."""
-    def batch_metrics(*batch):
-        loss, metrics = pair_loss(model, reference, batch, "val", cfg)
-        return {"loss": loss, **metrics}
+def validation_metrics(model, reference: Reference, val_loader, cfg, run, token_bytes) -> dict[str, float]:
+    """val_loss, the validation rewards and val_bpb (bits per byte of the chosen answers, comparable with SFT's),
+    on the first eval_steps validation batches."""
+    def batch_metrics(X, Y, loss_mask, idx):
+        loss, metrics = pair_loss(model, reference, (X, Y, loss_mask, idx), "val", cfg)
+        n = X.size(0) // 2  # the chosen rows come first
+        chosen = lm_sums(model, X[:n], Y[:n], loss_mask[:n], token_bytes)
+        return {"loss": loss, **metrics, "nats": chosen["nats"], "bytes": chosen["bytes"]}
 
     model.eval()
     with run.autocast():
         metrics = evaluate(batch_metrics, val_loader, cfg.eval_steps, run)
     model.train()
-    return {f"val_{k}": v for k, v in metrics.items()}
+    val_bpb = bits_per_byte(metrics.pop("nats"), metrics.pop("bytes"))
+    return {f"val_{k}": v for k, v in metrics.items()} | {"val_bpb": val_bpb}
 
 
 def load_data(cfg, run) -> tuple[Loader, Loader]:
@@ -193,6 +197,7 @@ def main(argv: list[str]):
     log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
     timer = StepTimer(run, cfg.peak_flops, step, max_steps)
     watch = FailureWatch()
+    token_bytes = count_token_bytes(load_tokenizer(cfg.tokenizer_path))  # for val_bpb
 
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
@@ -228,7 +233,7 @@ def main(argv: list[str]):
             stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step % steps_per_epoch == 0 or step == max_steps:
             with timer.paused():
-                val_metrics = validation_metrics(raw_model, reference, val_loader, cfg, run)
+                val_metrics = validation_metrics(raw_model, reference, val_loader, cfg, run, token_bytes)
                 log.write({"step": step, **val_metrics})
                 if early.update(val_metrics["val_loss"]):
                     checkpoints.save("best.pt", step)

@@ -12,9 +12,9 @@ import torch
 from data import Loader, PretrainData, load_split, load_tokenizer
 from model import ModelConfig, Transformer
 from train_utils import (ConfigError, EarlyStopping, MetricsLog, StepTimer, StopSignal, TrainConfig, all_reduce_mean,
-                         checkpoint_to_resume, cli, clip_gradients, get_lr, load_config, perplexity, prepare_training,
-                         print0, print_run, schedule_length, set_lr, setup, start_profiler, teardown, validation_loss,
-                         wrap)
+                         checkpoint_to_resume, cli, clip_gradients, count_token_bytes, get_lr, load_config, perplexity,
+                         prepare_training, print0, print_run, schedule_length, set_lr, setup, start_profiler, teardown,
+                         validation_loss, wrap)
 
 
 @dataclasses.dataclass
@@ -56,6 +56,7 @@ def main(argv: list[str]):
     raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
     log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
     timer = StepTimer(run, cfg.peak_flops, step, max_steps)
+    token_bytes = count_token_bytes(load_tokenizer(cfg.tokenizer_path))  # for val_bpb
 
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
@@ -87,9 +88,9 @@ def main(argv: list[str]):
             stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step == max_steps:
             with timer.paused():
-                val_loss = validation_loss(raw_model, val_loader, cfg.eval_steps, run)
-                log.write({"step": step, "val_loss": val_loss, "val_ppl": perplexity(val_loss)})
-                if best.update(val_loss):
+                val = validation_loss(raw_model, val_loader, cfg.eval_steps, run, token_bytes)
+                log.write({"step": step, **val})
+                if best.update(val["val_loss"]):
                     checkpoints.save("best.pt", step)
         if step % cfg.save_interval == 0 or step == max_steps or stopping:
             with timer.paused():

@@ -10,8 +10,8 @@ import torch
 
 from data import Loader, SFTData, load_split, load_tokenizer
 from train_utils import (ConfigError, EarlyStopping, FinetuneConfig, MetricsLog, StepTimer, StopSignal, all_reduce_mean,
-                         all_reduce_sum, checkpoint_to_resume, cli, clip_gradients, get_lr, finetune_model, load_config,
-                         perplexity, prepare_training, print0, print_run, schedule_length,
+                         all_reduce_sum, checkpoint_to_resume, cli, clip_gradients, count_token_bytes, get_lr,
+                         finetune_model, load_config, perplexity, prepare_training, print0, print_run, schedule_length,
                          set_lr, setup, start_profiler, teardown, validation_loss, wrap)
 
 
@@ -62,9 +62,9 @@ def main(argv: list[str]):
     step = checkpoints.resume(resume_from)
     raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
     log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
+    token_bytes = count_token_bytes(load_tokenizer(cfg.tokenizer_path))  # for val_bpb
     if step == 0:  # the pretrained model on the validation conversations: what SFT improves on
-        val_loss = validation_loss(raw_model, val_loader, cfg.eval_steps, run)
-        log.write({"step": 0, "val_loss": val_loss, "val_ppl": perplexity(val_loss)})
+        log.write({"step": 0, **validation_loss(raw_model, val_loader, cfg.eval_steps, run, token_bytes)})
     timer = StepTimer(run, cfg.peak_flops, step, max_steps)
 
     while step < max_steps:
@@ -101,9 +101,9 @@ def main(argv: list[str]):
             stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step % steps_per_epoch == 0 or step == max_steps:
             with timer.paused():
-                val_loss = validation_loss(raw_model, val_loader, cfg.eval_steps, run)
-                log.write({"step": step, "val_loss": val_loss, "val_ppl": perplexity(val_loss)})
-                if early.update(val_loss):
+                val = validation_loss(raw_model, val_loader, cfg.eval_steps, run, token_bytes)
+                log.write({"step": step, **val})
+                if early.update(val["val_loss"]):
                     checkpoints.save("best.pt", step)
             stopping |= early.should_stop
         if step % cfg.save_interval == 0 or step == max_steps or stopping:

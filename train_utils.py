@@ -6,7 +6,8 @@ evaluates and saves; the pieces it calls are here.
   processes      setup (device, dtype, torchrun, seeds), Run, print0, all_reduce_mean, teardown
   the step       get_lr, set_lr, clip_gradients, NonFiniteGuard (skip a NaN/Inf update), StepTimer
   checkpoints    Checkpoints (save, rotate, resume), load_checkpoint, model_from_checkpoint, EarlyStopping
-  output         MetricsLog (metrics.jsonl and the console line), evaluate, validation_loss, StopSignal
+  output         MetricsLog (metrics.jsonl and the console line), evaluate, validation_loss (loss, ppl,
+                 bits per byte: count_token_bytes, lm_sums), StopSignal
 """
 import ast
 import ctypes
@@ -920,10 +921,49 @@ def evaluate(loss_fn, loader, steps: int, run: Run) -> dict[str, float]:
     return {k: (v / summed[-1]).item() for k, v in zip(metrics, summed[:-1])}
 
 
-def validation_loss(model, loader, steps: int, run: Run) -> float:
-    """The language-model loss (masked mean cross-entropy) on the first `steps` validation batches."""
+def count_token_bytes(tokenizer) -> torch.Tensor:
+    """(vocab_size,) int64: how many UTF-8 bytes of text each id stands for; 0 for special tokens (<s>, </s>,
+    <pad>, [INST], <|im_end|> and other added tokens), which are markup, not text. Bits per byte divide by these."""
+    counts = torch.zeros(tokenizer.vocab_size, dtype=torch.long)
+    if hasattr(tokenizer, "sp"):  # SentencePiece: byte pieces are one byte, "▁" is a space
+        sp = tokenizer.sp
+        for i in range(sp.vocab_size()):
+            if not sp.is_control(i):
+                counts[i] = 1 if sp.is_byte(i) else len(sp.id_to_piece(i).replace("▁", " ").encode())
+        return counts
+    enc = tokenizer.enc  # tiktoken runs nanomind's BPE and Hugging Face's byte-level BPE alike
+    special = {enc.encode_single_token(t) for t in enc.special_tokens_set}
+    for i in range(min(enc.n_vocab, tokenizer.vocab_size)):
+        if i not in special:
+            try:
+                counts[i] = len(enc.decode_single_token_bytes(i))
+            except KeyError:  # an id no token has (Hugging Face vocabularies may have gaps)
+                pass
+    return counts
+
+
+def lm_sums(model, X, Y, loss_mask, token_bytes: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One forward pass: the masked mean cross-entropy ("loss", as training computes it) and, for bits per byte,
+    the summed cross-entropy of the scored targets in nats and the UTF-8 bytes those targets stand for."""
+    _, ce = model(X, Y, reduction="none")  # (B, T) nats per target
+    return {"loss": (ce * loss_mask).sum() / loss_mask.sum().clamp(min=1), "nats": (ce * loss_mask).sum(),
+            "bytes": (token_bytes.to(Y.device)[Y] * loss_mask).sum()}
+
+
+def bits_per_byte(nats: float, n_bytes: float) -> float:
+    """Summed cross-entropy in bits per UTF-8 byte: comparable between tokenizers (special tokens' loss counts,
+    their bytes are 0)."""
+    return nats / math.log(2) / max(n_bytes, 1)
+
+
+def validation_loss(model, loader, steps: int, run: Run, token_bytes: torch.Tensor) -> dict[str, float]:
+    """{val_loss, val_ppl, val_bpb} on the first `steps` validation batches: val_loss is the language-model loss
+    (masked mean cross-entropy, per batch, averaged), val_bpb the summed cross-entropy of all their scored targets
+    over their bytes."""
     model.eval()
     with run.autocast():
-        loss = evaluate(lambda X, Y, M, _: {"loss": model(X, Y, M)[1]}, loader, steps, run)["loss"]
+        sums = evaluate(lambda X, Y, M, _: lm_sums(model, X, Y, M, token_bytes), loader, steps, run)
     model.train()
-    return loss
+    # evaluate() averages every entry over the batches alike, so nats / bytes is the ratio of the totals
+    return {"val_loss": sums["loss"], "val_ppl": perplexity(sums["loss"]),
+            "val_bpb": bits_per_byte(sums["nats"], sums["bytes"])}

@@ -1,0 +1,614 @@
+"""
+How good is a checkpoint? Three evaluations; each prints its figures and adds them to a report.
+
+    python eval.py bpb --ckpt=out/pretrain/best.pt --data_path=data/pretrain_val.jsonl
+    python eval.py sft --ckpt=out/sft/best.pt --data_path=data/sft_val.jsonl --max_records=200
+    python eval.py choice --ckpt=out/sft/best.pt --task=ceval --data_dir=data/ceval-exam --shots=5
+    python eval.py sft --help                                # every key of a sub-command, its default and meaning
+
+bpb     bits per byte of a pretraining-format file: the summed cross-entropy in bits over the UTF-8 bytes of the
+        scored tokens (special tokens count 0 bytes), so models with different tokenizers compare.
+sft     held-out conversations: perplexity of the assistant tokens (the training loss), the model's answer to each
+        last user turn scored against the reference (BLEU-4, ROUGE-L F1, exact match), samples kept in full.
+choice  multiple-choice accuracy on C-Eval, CMMLU, MMLU or ARC files as their projects distribute them.
+
+BLEU and ROUGE count Chinese characters one by one and other text word by word, punctuation split off.
+Each run writes report.json and report.md into the checkpoint's directory (or --out): its figures, the sections
+other sub-commands wrote there for the same checkpoint, the checkpoint's config, a training summary from its
+metrics.jsonl and links to plot.py's pictures.
+"""
+import csv
+import dataclasses
+import glob
+import json
+import math
+import os
+import re
+from collections import Counter, defaultdict
+
+import numpy as np
+import torch
+
+from data import BadRecord, DataError, Loader, PretrainData, encode_chat, pad_rows, parse_line, tokenize_file
+from train_dpo import sequence_logprobs
+from train_utils import (ConfigError, bits_per_byte, checkpoint_tokenizer, cli, count_token_bytes, load_config,
+                         lm_sums, model_from_checkpoint, parse_row, perplexity, setup)
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    # --- I/O
+    ckpt: str = "out/sft/best.pt"  # a checkpoint written by train_pretrain/sft/dpo.py
+    out: str | None = None  # where report.md and report.json go; None: the checkpoint's directory
+    plots: str | None = None  # a directory of plot.py's pictures for the report to link; None: the checkpoint's
+    tokenizer_path: str | None = None  # None: the one the checkpoint was trained with (another one is refused)
+    # --- system
+    batch_size: int = 16  # sequences per forward pass
+    device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (autocast)
+    seed: int = 1337  # sampling with temperature > 0
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"config key 'dtype' must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
+            raise ConfigError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+        if self.batch_size < 1:
+            raise ConfigError(f"config key 'batch_size' must be at least 1, got {self.batch_size}")
+
+
+@dataclasses.dataclass
+class BpbConfig(EvalConfig):
+    # --- data
+    data_path: str = "data/pretrain_val.jsonl"  # pretraining format: JSONL {"text"} or .txt; a glob / comma list
+    max_windows: int | None = None  # windows of the model's max_seq_len + 1 tokens to score; None: all
+
+
+@dataclasses.dataclass
+class SFTConfig(EvalConfig):
+    # --- data
+    data_path: str = "data/sft_val.jsonl"  # SFT format, held out from training; each record ends with the answer
+    max_records: int | None = 200  # the first this many records; None: all
+    # --- generation
+    max_new_tokens: int = 256  # at most, and at most what the context leaves after the prompt
+    temperature: float = 0.0  # 0: greedy
+    samples: int = 5  # records whose prompt, reference and answer are printed and kept in full
+
+
+@dataclasses.dataclass
+class ChoiceConfig(EvalConfig):
+    # --- data
+    task: str = "ceval"  # ceval | cmmlu | mmlu | arc
+    data_dir: str = "data/ceval-exam"  # the unpacked files, as their project distributes them
+    split: str = "val"  # ceval: val | dev; cmmlu: test | dev; mmlu: val | test | dev; arc: val | test | train
+    shots: int = 0  # 0-5 solved questions of the same subject (from dev; ARC: train) before each question
+    max_questions: int | None = None  # per subject; None: all
+    # --- method
+    method: str = "text"  # text: log-prob of each option's text (acc, acc_norm); letter: of its letter, chat template
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.task not in TASKS:
+            raise ConfigError(f"config key 'task' must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.method not in ("text", "letter"):
+            raise ConfigError(f"config key 'method' must be text or letter, got {self.method!r}")
+        if not 0 <= self.shots <= 5:
+            raise ConfigError(f"config key 'shots' must be 0 to 5, got {self.shots}")
+
+
+# -----------------------------------------------------------------------------
+# the checkpoint and its tokenizer
+
+def load(cfg: EvalConfig):
+    """(eval-mode model, its tokenizer, the checkpoint's state, Run)."""
+    run = setup(cfg.device, cfg.dtype, cfg.seed)
+    model, state = model_from_checkpoint(cfg.ckpt, run.device)
+    tokenizer = checkpoint_tokenizer(state, cfg.tokenizer_path)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but {cfg.ckpt}'s model only "
+                          f"{model.config.vocab_size}: pass the tokenizer_path it was trained with")
+    return model.eval(), tokenizer, state, run
+
+
+@torch.no_grad()
+def lm_totals(model, batches, token_bytes, run) -> dict[str, float]:
+    """Summed over the batches' scored targets: nats, tokens and bytes; and from them loss (nats per token),
+    ppl and bpb."""
+    nats = tokens = n_bytes = 0.0
+    for X, Y, loss_mask, _ in batches:
+        with run.autocast():
+            sums = lm_sums(model, X, Y, loss_mask, token_bytes)
+        nats, n_bytes = nats + sums["nats"].item(), n_bytes + sums["bytes"].item()
+        tokens += loss_mask.sum().item()
+    loss = nats / max(tokens, 1)
+    return {"loss": loss, "ppl": perplexity(loss), "bpb": bits_per_byte(nats, n_bytes), "tokens": int(tokens),
+            "bytes": int(n_bytes)}
+
+
+# -----------------------------------------------------------------------------
+# bpb
+
+def eval_bpb(cfg: BpbConfig) -> tuple[dict, dict]:
+    """(the report's section, the checkpoint's state); so for eval_sft and eval_choice."""
+    model, tokenizer, state, run = load(cfg)
+    T = model.config.max_seq_len
+    data = PretrainData(tokenize_file(cfg.data_path, tokenizer, "pretrain"), T)
+    if len(data) == 0:
+        raise DataError(f"{cfg.data_path}: fewer than the {T + 1} tokens of one window")
+    windows = [data[i] for i in range(min(len(data), cfg.max_windows or len(data)))]  # memory-mapped views
+    loader = Loader(windows, cfg.batch_size, tokenizer.pad_id, run.device)
+    totals = lm_totals(model, loader.batches(len(windows)), count_token_bytes(tokenizer), run)
+    result = {"data_path": cfg.data_path, "windows": len(windows), "window_tokens": T} | totals
+    print(f"{cfg.data_path}: bpb {totals['bpb']:.4f} | loss {totals['loss']:.4f} | ppl {totals['ppl']:.2f} "
+          f"({result['windows']:,} windows of {T} tokens: {totals['tokens']:,} tokens, {totals['bytes']:,} bytes)")
+    return result, state
+
+
+# -----------------------------------------------------------------------------
+# sft: perplexity, BLEU-4, ROUGE-L, samples
+
+HAN = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U000323af"
+WORDS = re.compile(f"[{HAN}]|[^\\W{HAN}]+|[^\\w\\s]")  # a Chinese character | a word | one punctuation mark
+
+
+def words(text: str) -> list[str]:
+    """BLEU's and ROUGE's units: each Chinese character alone, other text by words, each punctuation mark alone."""
+    return WORDS.findall(text)
+
+
+def ngrams(tokens: list[str], n: int) -> Counter:
+    return Counter(tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1))
+
+
+def bleu4(hypotheses: list[str], references: list[str]) -> float:
+    """Corpus BLEU-4 (Papineni et al. 2002), 0-100: the geometric mean of the clipped 1..4-gram precisions over the
+    whole corpus, times the brevity penalty exp(1 - r/c) when the answers (c words) are shorter than the
+    references (r). One reference per answer, no smoothing: 0 if some n-gram order has no match at all."""
+    matches, totals, c, r = [0] * 4, [0] * 4, 0, 0
+    for hyp, ref in zip(hypotheses, references):
+        hyp, ref = words(hyp), words(ref)
+        c, r = c + len(hyp), r + len(ref)
+        for n in range(1, 5):
+            h, g = ngrams(hyp, n), ngrams(ref, n)
+            matches[n - 1] += sum(min(k, g[gram]) for gram, k in h.items())
+            totals[n - 1] += max(len(hyp) - n + 1, 0)
+    if min(matches) == 0:
+        return 0.0
+    log_precision = sum(math.log(m / t) for m, t in zip(matches, totals)) / 4
+    brevity = 1.0 if c > r else math.exp(1 - r / c)
+    return 100 * brevity * math.exp(log_precision)
+
+
+def lcs_length(a: list[str], b: list[str]) -> int:
+    row = [0] * (len(b) + 1)  # row[j]: LCS of a[:i] and b[:j], one row of the table at a time
+    for x in a:
+        diagonal = 0
+        for j, y in enumerate(b, 1):
+            diagonal, row[j] = row[j], diagonal + 1 if x == y else max(row[j], row[j - 1])
+    return row[-1]
+
+
+def rouge_l(hypothesis: str, reference: str) -> float:
+    """ROUGE-L F1 (Lin 2004), 0-100: the harmonic mean of LCS / answer length and LCS / reference length."""
+    hyp, ref = words(hypothesis), words(reference)
+    lcs = lcs_length(hyp, ref)
+    return 0.0 if lcs == 0 else 100 * 2 * lcs / (len(hyp) + len(ref))
+
+
+def read_conversations(path: str, limit: int | None) -> list[dict]:
+    """The first `limit` SFT records of a JSONL file, each ending with the assistant's (reference) answer."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(records) == limit:
+                break
+            try:
+                record = parse_line(line.encode())
+                if record is None:
+                    continue
+                messages = record.get("conversations")
+                if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict) \
+                        or messages[-1].get("role") != "assistant":
+                    raise BadRecord("'conversations' must be a list of messages ending with the assistant's")
+            except BadRecord as e:
+                raise DataError(f"{path}:{lineno}: {e}") from None
+            records.append({"line": lineno, "messages": messages, "system": record.get("system")})
+    if not records:
+        raise DataError(f"{path}: no records")
+    return records
+
+
+@torch.no_grad()
+def generate_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                     batch_size: int = 64) -> list[str]:
+    """The model's answer to each prompt (ids ending with the chat template's generation prompt), up to its end of
+    turn. Prompts of equal length share a batch, so no padding (and no attention mask) is needed."""
+    by_length = defaultdict(list)
+    for i, ids in enumerate(prompts):
+        by_length[len(ids)].append(i)
+    answers = [""] * len(prompts)
+    device = next(model.parameters()).device
+    for length, indices in by_length.items():
+        for start in range(0, len(indices), batch_size):
+            chunk = indices[start : start + batch_size]
+            new = min(max_new_tokens, model.config.max_seq_len - length)
+            out = model.generate(torch.tensor([prompts[i] for i in chunk], device=device), new,
+                                 temperature=temperature, eos_id=tokenizer.eos_id)[:, length:]
+            for i, row in zip(chunk, out.tolist()):
+                row = row[: row.index(tokenizer.eos_id)] if tokenizer.eos_id in row else row
+                answers[i] = tokenizer.decode(row).strip()
+    return answers
+
+
+def eval_sft(cfg: SFTConfig) -> tuple[dict, dict]:
+    model, tokenizer, state, run = load(cfg)
+    T = model.config.max_seq_len
+    if cfg.max_new_tokens < 1:
+        raise ConfigError(f"config key 'max_new_tokens' must be at least 1, got {cfg.max_new_tokens}")
+    records = read_conversations(cfg.data_path, cfg.max_records)
+    encoded = []  # (ids, loss_mask) of whole conversations: the perplexity, as training computes the loss
+    prompts, references = [], []
+    for r in records:
+        try:
+            ids, mask = encode_chat(tokenizer, r["messages"], r["system"], max_len=T + 1)
+            prompt, _ = encode_chat(tokenizer, r["messages"][:-1], r["system"], max_len=T - 1)  # room for 1 token
+        except BadRecord as e:
+            raise DataError(f"{cfg.data_path}:{r['line']}: {e}") from None
+        encoded.append((np.array(ids), np.array(mask)))
+        prompts.append(prompt)
+        references.append(r["messages"][-1]["content"].strip())
+    loader = Loader([(row,) for row in encoded], cfg.batch_size, tokenizer.pad_id, run.device)
+    totals = lm_totals(model, loader.batches(len(encoded)), count_token_bytes(tokenizer), run)
+    answers = generate_answers(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, cfg.batch_size)
+
+    result = {"data_path": cfg.data_path, "records": len(records), "answer_tokens": totals["tokens"],
+              "ppl": totals["ppl"], "loss": totals["loss"], "bpb": totals["bpb"],
+              "bleu4": bleu4(answers, references),
+              "rougeL_f1": sum(map(rouge_l, answers, references)) / len(records),
+              "exact_match": sum(a == ref for a, ref in zip(answers, references)) / len(records),
+              "generation": {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens},
+              "samples": [{"line": r["line"], "prompt": r["messages"][:-1], "system": r["system"], "reference": ref,
+                           "answer": a} for r, ref, a in list(zip(records, references, answers))[: cfg.samples]]}
+    for i, s in enumerate(result["samples"], 1):
+        print(f"--- sample {i} ({cfg.data_path}:{s['line']})\nprompt:    {s['prompt'][-1]['content']}\n"
+              f"reference: {s['reference']}\nanswer:    {s['answer']}")
+    how = "greedy" if cfg.temperature == 0 else f"temperature {cfg.temperature}"
+    print(f"{cfg.data_path}, {len(records)} conversations: ppl {totals['ppl']:.3f} on {totals['tokens']:,} assistant "
+          f"tokens (bpb {totals['bpb']:.4f}) | {how} answers: BLEU-4 {result['bleu4']:.2f} | "
+          f"ROUGE-L F1 {result['rougeL_f1']:.2f} | exact match {result['exact_match']:.1%}")
+    return result, state
+
+
+# -----------------------------------------------------------------------------
+# choice: multiple-choice benchmarks from local files
+
+@dataclasses.dataclass
+class Question:
+    question: str
+    options: list[str]
+    answer: int  # index into options
+
+
+LETTERS = "ABCDE"
+TASKS = {  # task: (where its files come from, the language of its prompts)
+    "ceval": ("https://huggingface.co/datasets/ceval/ceval-exam (ceval-exam.zip: val/, dev/, test/)", "zh"),
+    "cmmlu": ("https://huggingface.co/datasets/haonan-li/cmmlu (cmmlu_v1_0_1.zip: dev/, test/)", "zh"),
+    "mmlu": ("https://people.eecs.berkeley.edu/~hendrycks/data.tar (its data/ folder: dev/, val/, test/)", "en"),
+    "arc": ("https://ai2-public-datasets.s3.amazonaws.com/arc/ARC-V1-Feb2018.zip (ARC-Easy/, ARC-Challenge/)", "en"),
+}
+ARC_SPLITS = {"train": "Train", "val": "Dev", "dev": "Dev", "test": "Test"}
+
+
+def subject_files(task: str, data_dir: str, split: str) -> dict[str, str]:
+    """{subject: file} of a split as the task's project lays it out."""
+    if task == "arc":
+        pattern = os.path.join(data_dir, "**", f"ARC-*-{ARC_SPLITS.get(split, split)}.jsonl")
+        files = glob.glob(pattern, recursive=True)
+        name = lambda path: os.path.basename(path).rsplit("-", 1)[0]  # noqa: E731  ARC-Challenge, ARC-Easy
+    else:
+        suffix = ".csv" if task == "cmmlu" else f"_{split}.csv"
+        pattern = os.path.join(data_dir, split, f"*{suffix}")
+        files = glob.glob(pattern)
+        name = lambda path: os.path.basename(path)[: -len(suffix)]  # noqa: E731
+    if not files:
+        raise FileNotFoundError(f"no {task} files match {pattern}: download them from {TASKS[task][0]} and unpack "
+                                f"them into data_dir (nothing is downloaded for you)")
+    return {name(path): path for path in sorted(files)}
+
+
+def read_questions(task: str, path: str) -> list[Question]:
+    """A file's questions; DataError names the file, line and column of anything malformed."""
+    questions = []
+    with open(path, encoding="utf-8", newline="") as f:
+        if task == "arc":
+            for lineno, line in enumerate(f, 1):
+                try:
+                    record = parse_line(line.encode())
+                    if record is None:
+                        continue
+                    choices = record["question"]["choices"]
+                    labels = [c["label"] for c in choices]
+                    questions.append(Question(record["question"]["stem"], [c["text"] for c in choices],
+                                              labels.index(record["answerKey"])))
+                except (BadRecord, KeyError, TypeError, ValueError) as e:
+                    raise DataError(f"{path}:{lineno}: not an ARC question ({type(e).__name__}: {e})") from None
+            return questions
+        rows = csv.reader(f)
+        if task == "mmlu":  # no header: question, A, B, C, D, answer
+            columns = [0, 1, 2, 3, 4, 5]
+        else:
+            header = next(rows, [])
+            names = ["question", "A", "B", "C", "D", "answer"]
+            names = names if task == "ceval" else [n.capitalize() for n in names]  # CMMLU's
+            missing = [n for n in names if n not in header]
+            if missing:
+                raise DataError(f"{path}: no column {missing[0]!r} in the header {header} ({task}'s are {names})")
+            columns = [header.index(n) for n in names]
+        for row in rows:
+            where = f"{path}:{rows.line_num}"
+            if len(row) <= max(columns):
+                raise DataError(f"{where}: {len(row)} columns, expected at least {max(columns) + 1}")
+            question, *options, answer = (row[c] for c in columns)
+            if answer.strip() not in ("A", "B", "C", "D"):
+                hint = " (C-Eval's test answers are not public: use --split=val)" if not answer.strip() else ""
+                raise DataError(f"{where}: answer {answer!r} is not one of A, B, C, D{hint}")
+            questions.append(Question(question, options, LETTERS.index(answer.strip())))
+    return questions
+
+
+def load_task(cfg: ChoiceConfig) -> dict[str, tuple[list[Question], list[Question]]]:
+    """{subject: (questions, solved examples for the shots)}."""
+    shots_split = "train" if cfg.task == "arc" else "dev"
+    if not os.path.isdir(cfg.data_dir):
+        raise FileNotFoundError(f"data_dir {cfg.data_dir} does not exist: download the {cfg.task} files from "
+                                f"{TASKS[cfg.task][0]} and unpack them there (nothing is downloaded for you)")
+    examples = subject_files(cfg.task, cfg.data_dir, shots_split) if cfg.shots else {}
+    tasks = {}
+    for subject, path in subject_files(cfg.task, cfg.data_dir, cfg.split).items():
+        if cfg.shots and subject not in examples:
+            raise FileNotFoundError(f"{path}: no {shots_split} file of subject {subject!r} for --shots={cfg.shots}")
+        shots = read_questions(cfg.task, examples[subject])[: cfg.shots] if cfg.shots else []
+        tasks[subject] = (read_questions(cfg.task, path)[: cfg.max_questions], shots)
+    return tasks
+
+
+def text_rows(tokenizer, q: Question, shots: list[Question], lang: str) -> list[tuple[list[int], list[int]]]:
+    """method=text: one row per option, <s> + the solved examples + the question + the option's text, scored on
+    the option's tokens (as lm-evaluation-harness scores a continuation)."""
+    ask, answer, space = ("问题：", "\n答案：", "") if lang == "zh" else ("Question: ", "\nAnswer:", " ")
+    context = "".join(f"{ask}{s.question}{answer}{space}{s.options[s.answer]}\n\n" for s in shots)
+    context_ids = [tokenizer.bos_id] + tokenizer.encode(f"{context}{ask}{q.question}{answer}")
+    rows = []
+    for option in q.options:
+        option_ids = tokenizer.encode(f"{space}{option}")
+        rows.append((context_ids + option_ids, [0] * len(context_ids) + [1] * len(option_ids)))
+    return rows
+
+
+def letter_rows(tokenizer, q: Question, shots: list[Question], lang: str) -> list[tuple[list[int], list[int]]]:
+    """method=letter: one row per option letter, the question and its lettered options as the user's turn in the
+    chat template (the solved examples as earlier turns), scored on the assistant's answer: the letter and its end
+    of turn."""
+    instruction = "请直接回答选项字母。" if lang == "zh" else "Answer with the option's letter."
+
+    def ask(x: Question) -> str:
+        return "\n".join([x.question] + [f"{LETTERS[i]}. {o}" for i, o in enumerate(x.options)] + [instruction])
+
+    history = [m for s in shots for m in ({"role": "user", "content": ask(s)},
+                                          {"role": "assistant", "content": LETTERS[s.answer]})]
+    return [encode_chat(tokenizer, history + [{"role": "user", "content": ask(q)},
+                                              {"role": "assistant", "content": LETTERS[i]}])
+            for i in range(len(q.options))]
+
+
+def model_scorer(model, tokenizer, batch_size: int, run):
+    """rows [(ids, loss_mask)] -> the summed log-probability of each row's masked tokens. A row longer than the
+    context loses its beginning."""
+    T = model.config.max_seq_len
+
+    @torch.no_grad()
+    def score(rows: list[tuple[list[int], list[int]]]) -> list[float]:
+        rows = [(np.array(ids[-(T + 1):]), np.array(mask[-(T + 1):])) for ids, mask in rows]
+        out = []
+        for i in range(0, len(rows), batch_size):
+            X, Y, M = (t.to(run.device) for t in pad_rows(rows[i : i + batch_size], tokenizer.pad_id))
+            with run.autocast():
+                out += sequence_logprobs(model, X, Y, M, length_norm=False).float().tolist()
+        return out
+
+    return score
+
+
+def eval_choice_questions(tasks, score, tokenizer, method: str, lang: str) -> dict:
+    """{subject: {n, acc, acc_norm, chance}, ..., "overall": the same over all questions}. score(rows) -> the
+    log-probability of each row's scored tokens; acc picks the highest, acc_norm the highest per character of the
+    option's text (method=text only: letters are one character each)."""
+    make_rows = text_rows if method == "text" else letter_rows
+    results, hits = {}, []
+    for subject, (questions, shots) in tasks.items():
+        correct = []  # (acc, acc_norm, chance) per question
+        for q in questions:
+            logps = score(make_rows(tokenizer, q, shots, lang))
+            per_char = [lp / max(len(o), 1) for lp, o in zip(logps, q.options)]
+            correct.append((int(np.argmax(logps)) == q.answer, int(np.argmax(per_char)) == q.answer,
+                            1 / len(q.options)))
+        results[subject] = summarise(correct, method)
+        hits += correct
+    results["overall"] = summarise(hits, method)
+    return results
+
+
+def summarise(correct: list[tuple[bool, bool, float]], method: str) -> dict:
+    n = max(len(correct), 1)
+    return {"n": len(correct), "acc": sum(c[0] for c in correct) / n,
+            "acc_norm": sum(c[1] for c in correct) / n if method == "text" else None,
+            "chance": sum(c[2] for c in correct) / n}
+
+
+def eval_choice(cfg: ChoiceConfig) -> tuple[dict, dict]:
+    tasks = load_task(cfg)  # before the model: a missing file fails fast
+    model, tokenizer, state, run = load(cfg)
+    if cfg.method == "letter" and state["stage"] == "pretrain":
+        raise ConfigError(f"method=letter asks in the chat template: {cfg.ckpt} is a pretraining checkpoint (use text)")
+    lang = TASKS[cfg.task][1]
+    results = eval_choice_questions(tasks, model_scorer(model, tokenizer, cfg.batch_size, run), tokenizer,
+                                    cfg.method, lang)
+    print(f"{cfg.task} {cfg.split} ({cfg.data_dir}), {cfg.shots}-shot, scored by the option's "
+          f"{'text' if cfg.method == 'text' else 'letter in the chat template'}:\n{choice_table(results)}")
+    return {"task": cfg.task, "data_dir": cfg.data_dir, "split": cfg.split, "shots": cfg.shots, "method": cfg.method,
+            "subjects": results}, state
+
+
+def choice_table(results: dict) -> str:
+    width = max(len(s) for s in results) + 2
+    lines = [f"{'subject':<{width}}{'N':>6}{'acc':>9}{'acc_norm':>10}{'chance':>9}"]
+    for subject, r in results.items():
+        norm = f"{r['acc_norm']:>10.1%}" if r["acc_norm"] is not None else f"{'-':>10}"
+        lines.append(f"{subject:<{width}}{r['n']:>6}{r['acc']:>9.1%}{norm}{r['chance']:>9.1%}")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# the report: report.json (every figure) and report.md (for a person), beside the checkpoint
+
+def training_summary(state: dict, metrics_path: str) -> dict:
+    """Steps, data seen, wall time and validation losses of the run that wrote the checkpoint."""
+    cfg, stage, step = state["config"], state["stage"], state["step"]
+    ranks = len(state.get("rng", [None]))  # one RNG state per rank
+    per_step = cfg["batch_size"] * cfg["accum_steps"] * ranks
+    seen = ({"tokens": step * per_step * state["model_config"]["max_seq_len"]} if stage == "pretrain"
+            else {"pairs" if stage == "dpo" else "conversations": step * per_step})
+    summary = {"stage": stage, "checkpoint_step": step, "ranks": ranks} | seen
+    if not os.path.exists(metrics_path):
+        return summary | {"metrics": f"no {metrics_path}"}
+    with open(metrics_path, encoding="utf-8") as f:
+        rows = [r for line in f if (r := parse_row(line))]
+    val = [r for r in rows if "val_loss" in r]
+    wall, last = 0.0, 0.0  # elapsed_s restarts at a resume: add up the stretches
+    for r in rows:
+        if "elapsed_s" in r:
+            wall += r["elapsed_s"] - last if r["elapsed_s"] >= last else r["elapsed_s"]
+            last = r["elapsed_s"]
+    summary |= {"steps": max((r["step"] for r in rows), default=0), "wall_time_s": round(wall, 1)}
+    if val:
+        best = min(val, key=lambda r: r["val_loss"])
+        summary |= {"final_val_loss": val[-1]["val_loss"], "final_val_step": val[-1]["step"],
+                    "best_val_loss": best["val_loss"], "best_val_step": best["step"]}
+        if "val_bpb" in val[-1]:
+            summary["final_val_bpb"] = val[-1]["val_bpb"]
+    return summary
+
+
+def write_report(cfg: EvalConfig, state: dict, key: str, section: dict) -> str:
+    """Add `section` under `key` to out/report.json (keeping other sections of the same checkpoint), render
+    report.md from it; both written atomically. Returns report.md's path."""
+    run_dir = os.path.dirname(os.path.abspath(cfg.ckpt))
+    out = cfg.out or run_dir
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "report.json")
+    report = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+    if report.get("checkpoint") != os.path.abspath(cfg.ckpt):
+        report = {"checkpoint": os.path.abspath(cfg.ckpt), "sections": {}}
+    plots_dir = cfg.plots or run_dir
+    report |= {"stage": state["stage"], "step": state["step"], "model_config": state["model_config"],
+               "config": state["config"], "training": training_summary(state, os.path.join(run_dir, "metrics.jsonl")),
+               "plots": [os.path.relpath(p, out) for p in sorted(glob.glob(os.path.join(plots_dir, "*.png")))]}
+    report["sections"][key] = section
+    atomic_write(path, json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+    atomic_write(os.path.join(out, "report.md"), render(report))
+    print(f"report: {os.path.join(out, 'report.md')}")
+    return os.path.join(out, "report.md")
+
+
+def atomic_write(path: str, text: str):
+    with open(f"{path}.tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(f"{path}.tmp", path)
+
+
+def render(report: dict) -> str:
+    t = report["training"]
+    seen = next(f"{t[k]:,} {k}" for k in ("tokens", "conversations", "pairs") if k in t)
+    here = os.path.relpath(report["checkpoint"])
+    md = [f"# {report['checkpoint'] if here.startswith('..') else here}", "",
+          f"{report['stage']} checkpoint at step {report['step']} ({seen} seen, {t['ranks']} rank(s))"
+          + (f" of a {t['steps']}-step run of {t['wall_time_s'] / 60:.1f} min." if "steps" in t else f"; {t['metrics']}."),
+          ""]
+    if "final_val_loss" in t:
+        bpb = f", val_bpb {t['final_val_bpb']:.4f}" if "final_val_bpb" in t else ""
+        md += [f"The run's validation loss: final {t['final_val_loss']:.4f} (step {t['final_val_step']}{bpb}), best "
+               f"{t['best_val_loss']:.4f} (step {t['best_val_step']}).", ""]
+    md += [f"![{os.path.basename(p)}]({p})" for p in report["plots"]] + [""] * bool(report["plots"])
+    for key, s in report["sections"].items():
+        md += RENDER[key.split("/")[0]](s) + [""]
+    md += ["<details><summary>config</summary>", "", "```json",
+           json.dumps({k: report[k] for k in ("config", "model_config")}, indent=1, ensure_ascii=False),
+           "```", "</details>", ""]
+    return "\n".join(md)
+
+
+def render_bpb(s: dict) -> list[str]:
+    return ["## Bits per byte", "", f"**{s['bpb']:.4f} bits per byte** (loss {s['loss']:.4f}, ppl {s['ppl']:.2f}) on "
+            f"`{s['data_path']}`: {s['windows']:,} windows of {s['window_tokens']} tokens, {s['tokens']:,} tokens, "
+            f"{s['bytes']:,} bytes."]
+
+
+def render_sft(s: dict) -> list[str]:
+    g = s["generation"]
+    how = "greedy" if g["temperature"] == 0 else f"temperature {g['temperature']}"
+    md = ["## SFT evaluation", "", f"On the first {s['records']} conversations of `{s['data_path']}`; answers {how}, "
+          f"at most {g['max_new_tokens']} new tokens, to the last user turn, against the reference answer.", "",
+          "| metric | value |", "|---|---:|",
+          f"| perplexity of the {s['answer_tokens']:,} assistant tokens | {s['ppl']:.3f} |",
+          f"| bits per byte of those tokens | {s['bpb']:.4f} |",
+          f"| BLEU-4 (corpus, 0-100) | {s['bleu4']:.2f} |", f"| ROUGE-L F1 (mean, 0-100) | {s['rougeL_f1']:.2f} |",
+          f"| exact match | {s['exact_match']:.1%} |", "",
+          "BLEU and ROUGE count each Chinese character as a word, and split other text into words and punctuation.",
+          f"The first {len(s['samples'])} conversations (# = line), in full:", ""]
+    md += ["| # | prompt | reference | answer |", "|---|---|---|---|"]
+    for x in s["samples"]:
+        prompt = "<br>".join(f"*{m['role']}:* {cell(m['content'])}" for m in x["prompt"])
+        md.append(f"| {x['line']} | {prompt} | {cell(x['reference'])} | {cell(x['answer'])} |")
+    return md
+
+
+def cell(text: str) -> str:
+    """Text in full inside a Markdown table cell."""
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", "<br>")
+
+
+def render_choice(s: dict) -> list[str]:
+    how = "log-prob of each option's text (acc: summed; acc_norm: per character)" if s["method"] == "text" \
+        else "probability of the answer letter in the chat template"
+    md = [f"## {s['task']} ({s['split']}, {s['shots']}-shot)", "", f"`{s['data_dir']}`; scored by the {how}; overall "
+          "is over all questions.", "", "| subject | N | acc | acc_norm | chance |", "|---|---:|---:|---:|---:|"]
+    for subject, r in s["subjects"].items():
+        norm = f"{r['acc_norm']:.1%}" if r["acc_norm"] is not None else "-"
+        name = f"**{subject}**" if subject == "overall" else subject
+        md.append(f"| {name} | {r['n']} | {r['acc']:.1%} | {norm} | {r['chance']:.1%} |")
+    return md
+
+
+RENDER = {"bpb": render_bpb, "sft": render_sft, "choice": render_choice}
+COMMANDS = {"bpb": (BpbConfig, eval_bpb), "sft": (SFTConfig, eval_sft), "choice": (ChoiceConfig, eval_choice)}
+
+
+def main(argv: list[str]):
+    if not argv or argv[0] not in COMMANDS:
+        if argv and argv[0] in ("-h", "--help"):
+            print(__doc__)
+            return
+        raise ConfigError(f"the first argument must be a sub-command: {', '.join(COMMANDS)} (eval.py --help)")
+    schema, evaluate = COMMANDS[argv[0]]
+    (cfg,) = load_config(argv[1:], schema)
+    section, state = evaluate(cfg)
+    key = argv[0] if argv[0] != "choice" else f"choice/{cfg.task}/{cfg.split}/{cfg.shots}-shot/{cfg.method}"
+    write_report(cfg, state, key, section)
+    return section
+
+
+if __name__ == "__main__":
+    cli(main)
