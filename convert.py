@@ -341,8 +341,7 @@ def hf_regex(pattern: str) -> str:
 def tiktoken_to_hf(tokenizer: TiktokenTokenizer) -> dict:
     """nanomind's tiktoken tokenizer as a tokenizer.json: a byte-level BPE, its regex as a Split, specials as added
     tokens at their ids, <s> put before a text as nanomind's pretraining does."""
-    enc = tokenizer.enc  # tiktoken keeps the ranks, pattern and specials it was built from
-    ranks, specials = enc._mergeable_ranks, enc._special_tokens
+    ranks, specials = tokenizer.ranks, tokenizer.special_tokens
     char_of = {b: c for c, b in _byte_level_alphabet().items()}
     spell = lambda token: "".join(char_of[b] for b in token)  # noqa: E731
     bos = next(t for t, i in specials.items() if i == tokenizer.bos_id)
@@ -352,7 +351,7 @@ def tiktoken_to_hf(tokenizer: TiktokenTokenizer) -> dict:
                           "normalized": False, "special": True} for t, i in sorted(specials.items(), key=lambda x: x[1])],
         "normalizer": None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": hf_regex(enc._pat_str)}, "behavior": "Isolated", "invert": False},
+            {"type": "Split", "pattern": {"Regex": hf_regex(tokenizer.pattern)}, "behavior": "Isolated", "invert": False},
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
         "post_processor": {
             "type": "TemplateProcessing",
@@ -382,7 +381,7 @@ def tokenizer_files(tokenizer, directory: Path, max_seq_len: int) -> dict[str, d
     if not isinstance(tokenizer, TiktokenTokenizer):
         raise ConfigError(f"{directory}: a SentencePiece tokenizer is not exported (only byte-level BPE tokenizers "
                           "are); train the model with a tiktoken tokenizer, or convert the .model separately")
-    names = {i: t for t, i in tokenizer.enc._special_tokens.items()}
+    names = {i: t for t, i in tokenizer.special_tokens.items()}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": names[tokenizer.bos_id],
               "eos_token": names[tokenizer.eos_id], "pad_token": names[tokenizer.pad_id], "unk_token": None,
               "model_max_length": max_seq_len, "clean_up_tokenization_spaces": False, "chat_template": LLAMA2_TEMPLATE}

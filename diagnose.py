@@ -263,7 +263,7 @@ def estimate_memory(model_cfg: ModelConfig, batch_size: int, dtype: str, device_
     with torch.device("meta"):  # shapes only, no memory
         n_params = Transformer(model_cfg).num_params()
     c, T, tokens = model_cfg, model_cfg.max_seq_len, batch_size * model_cfg.max_seq_len
-    kv_dim, w = c.n_kv_heads * (c.dim // c.n_heads), 2 if dtype in ("bfloat16", "float16") else 4
+    kv_dim, w = c.n_kv_heads * c.head_dim, 2 if dtype in ("bfloat16", "float16") else 4
     # per block, float32: each of its two RMSNorms keeps x, rsqrt and x * rsqrt; compute dtype: each norm's output
     # as a matmul input (autocast casts it once per matmul: wq, wk, wv; w1, w3), attention's q, k, v, output and
     # wo input, SwiGLU's w1 and w3 outputs, silu(w1 x) and their product

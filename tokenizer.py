@@ -141,6 +141,7 @@ class TiktokenTokenizer(Tokenizer):
                                          mergeable_ranks=ranks, special_tokens=special)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise TokenizerError(f"cannot load tiktoken tokenizer from {directory}: {e}") from e
+        self.ranks, self.pattern, self.special_tokens = ranks, meta["pattern"], special  # for export
         self.bos_id, self.eos_id, self.pad_id = special["<s>"], special["</s>"], special["<pad>"]
         self.chat_tokens = {t: [special[t]] for t in CHAT_TOKENS}
         self.fingerprint = _fingerprint(ranks_file, meta_file)
