@@ -104,6 +104,13 @@ class KVCache:
         self.v[rows, :, start_pos] = v[:, :, 0]
         return self.k[:b], self.v[:b]
 
+    def prefix(self, length: int) -> "KVCache":
+        """This cache's first `length` positions, sharing its storage: a batch decoding at per-row positions
+        attends to the keys up to its longest row, not to all max_len."""
+        view = KVCache(self.shape[0], length)
+        view.k, view.v = self.k[:, :, :length], self.v[:, :, :length]
+        return view
+
     def copy_row(self, row: int, src: "KVCache", src_row: int, length: int):
         """Row `row`'s first `length` positions <- those of src's row src_row: a request prefilled on its own joins
         a batch, or a batch's last row moves into the place of one that finished."""
