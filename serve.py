@@ -139,6 +139,7 @@ class TextStream:
         self.ids: list[int] = []
         self.sent = ""
         self.stopped = False
+        self.waited = 0  # tokens held back in a row for an incomplete character; 4 means it never completes
 
     def add(self, token: int) -> str:
         """The next new text after token (maybe ""); sets stopped when a stop string appears."""
@@ -149,8 +150,10 @@ class TextStream:
         if found:
             self.stopped = True
             return self.send(text[: min(found)].rstrip(" ") if self.strip else text[: min(found)])
-        if text.endswith("\ufffd"):  # a cut multi-byte character: its other bytes come with the next tokens
+        self.waited += 1
+        if text.endswith("\ufffd") and self.waited < 4:  # a cut character: its other (at most 3) bytes come next
             return ""
+        self.waited = 0
         held = max([k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])], default=0)
         if self.strip:
             held = max(held, len(text) - len(text.rstrip(" ")))

@@ -290,6 +290,9 @@ def test_text_is_sent_in_whole_characters_and_never_the_start_of_a_stop_string()
     assert stream.stopped and "".join(pieces) == "Paris 😀 北京 é ST"
     assert not any("\ufffd" in p for p in pieces)
     assert "😀" in pieces[[tokenizer.decode(ids[: k + 1]).endswith("😀") for k in range(len(ids))].index(True)]
+    broken = serve.TextStream(tokenizer, [], strip=False)  # bytes that never make a character are not held forever
+    pieces = [broken.add(240) for _ in range(6)]
+    assert pieces[3] and "".join(pieces) + broken.finish() == tokenizer.decode([240] * 6)
     held = serve.TextStream(tokenizer, ["ST OPX"], strip=True)  # " ST OP" may yet become it: held back
     pieces = [held.add(i) for i in ids]
     assert not held.stopped and "".join(pieces) == "Paris 😀 北京 é " and held.finish() == "ST OP"
