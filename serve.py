@@ -63,8 +63,12 @@ COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p"
 ENDPOINT_FIELDS = {"chat": COMMON | {"messages"}, "completion": COMMON | {"prompt"}}
 
 
+KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "an object"}
+
+
 def get(body: dict, name: str, kind, default=None):
-    """body[name] if it is of kind (int, float, bool, str, list, dict); absent or null -> default."""
+    """body[name] if it is of kind (int, float, bool, str, list, dict, or a tuple of them); absent or null ->
+    default."""
     value = body.get(name)
     if value is None:
         return default
@@ -72,8 +76,8 @@ def get(body: dict, name: str, kind, default=None):
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         ok, value = True, float(value)
     if not ok:
-        raise APIError(400, f"'{name}' must be {'a number' if kind is float else f'of type {kind.__name__}'}, "
-                            f"got {json.dumps(value)[:40]}", name, "invalid_type")
+        kinds = " or ".join(KINDS[k] for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise APIError(400, f"'{name}' must be {kinds}, got {json.dumps(value)[:40]}", name, "invalid_type")
     return value
 
 

@@ -183,6 +183,8 @@ BAD = [  # (body, status, param or code the error names)
     ({**CHAT, "max_tokens": True}, 400, "max_tokens"),
     ({**CHAT, "stream": "yes"}, 400, "stream"),
     ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({**CHAT, "stop": 5}, 400, "stop"),
+    ({**CHAT, "stream_options": []}, 400, "stream_options"),
     ({**CHAT, "seed": 1.5}, 400, "seed"),
     ({**CHAT, "n": 2}, 400, "n"),
     ({**CHAT, "frequency_penalty": 1}, 400, "frequency_penalty"),
