@@ -8,6 +8,7 @@ decoding against recomputation; tokenisation and batching throughput.
     python bench.py configs/26m.py --mode=dpo --batch_size=4      # on-the-fly vs precomputed reference
     python bench.py configs/26m.py --mode=generate                 # batch 1 and 8, 256 new tokens
     python bench.py configs/26m.py --mode=data --batch_size=8
+    python bench.py configs/26m.py --mode=serve                    # serve.py: 1 client alone, then 8 at once
 
 Bench's own keys are those of Bench below; every other --key=value goes to the training script (sft/dpo: model keys
 shape the random-init checkpoint they start from; generate/data: model, batch_size, device, dtype); --help lists
@@ -30,7 +31,9 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 
 import torch
 
@@ -46,12 +49,15 @@ from train_utils import ConfigError, cli, help_text, load_config, measure_peak_f
 @dataclasses.dataclass
 class Bench:
     # --- what to measure
-    mode: str = "train"  # train | sft | dpo | generate | data
+    mode: str = "train"  # train | sft | dpo | generate | data | serve
     steps: int = 5  # steps 1..N warm up (allocations settle), N+1..2N are timed one by one
     peak_repeats: int = 3  # measure_peak_flops runs before the first variant and after each (unless --peak_flops)
-    # --- mode=generate
+    # --- mode=generate and mode=serve
     prompt_tokens: int = 64
     new_tokens: int = 256
+    # --- mode=serve
+    clients: int = 8  # streams at once, against one alone
+    rounds: int = 3  # each: one client alone, then `clients` together; a row per round
     # --- mode=data
     data_mb: float = 2000.0  # size of the synthetic file to tokenise when no --data_path is given (deleted after)
 
@@ -105,8 +111,8 @@ def parse_args(argv: list[str]) -> tuple[Bench, list[str], list[str]]:
             end += 1
         variants, argv = argv[i + 1 : end + 1], argv[:i] + argv[end + 1 :]
     (bench,) = load_config([a for a in argv if key(a) in keys(Bench)], Bench)
-    if bench.mode not in (*SCRIPTS, "generate", "data"):
-        raise ConfigError(f"mode must be train, sft, dpo, generate or data, got {bench.mode!r}")
+    if bench.mode not in (*SCRIPTS, "generate", "data", "serve"):
+        raise ConfigError(f"mode must be train, sft, dpo, generate, data or serve, got {bench.mode!r}")
     flags += [a for a in argv if key(a) not in keys(Bench)]
     variants = variants or DEFAULT_VARIANTS.get(bench.mode, [""])
     for variant in variants:
@@ -340,7 +346,70 @@ def run_data(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of
              "loader_tokens_per_s": batches_per_s * cfg.batch_size * model_cfg.max_seq_len}]
 
 
-RUNNERS = {"train": run_stage, "sft": run_stage, "dpo": run_stage, "generate": run_generate, "data": run_data}
+def stream_completion(url: str, prompt: str, new_tokens: int) -> int:
+    """One streamed greedy /v1/completions request; the tokens it generated (its usage)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request) as response:
+        events = [json.loads(line[6:]) for line in response if line.startswith(b"data: {")]
+    return events[-1]["usage"]["completion_tokens"]
+
+
+def timed_clients(url: str, prompts: list[str], new_tokens: int) -> float:
+    """Aggregate tokens/s of one streaming client per prompt, all started together: every token over the time
+    from the start to the last client's end."""
+    counts = [0] * len(prompts)
+    start = threading.Barrier(len(prompts) + 1)
+
+    def client(i: int):
+        start.wait()
+        counts[i] = stream_completion(url, prompts[i], new_tokens)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.perf_counter() - t0)
+
+
+def run_serve(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
+    """serve.py with a random-init model, driven over HTTP by streaming clients: greedy continuations of
+    prompt_tokens-token prompts, new_tokens each. Each round times one client alone, then `clients` at once
+    (decoded in one batch); ratio = their aggregate tokens/s over the lone client's."""
+    cfg, model_cfg = resolve("serve", flags)
+    torch.manual_seed(cfg.seed)
+    torch.save({"model": Transformer(model_cfg).state_dict(), "model_config": dataclasses.asdict(model_cfg),
+                "config": {"tokenizer_path": cfg.tokenizer_path}, "stage": "sft"}, f"{tmp}/init.pt")
+    server = subprocess.Popen([sys.executable, "serve.py", f"--ckpt={tmp}/init.pt", "--port=0",
+                               f"--device={setup(cfg.device, cfg.dtype, cfg.seed).device}",
+                               f"--max_batch={bench.clients}"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = server.stdout.readline()
+        if "http://" not in line:
+            raise RuntimeError(f"serve.py did not start (exit status {server.wait()})")
+        url = line.split("http://", 1)[1].split("/", 1)[0]
+        url = f"http://{url}"
+        prompts = [synth.text(bench.prompt_tokens) for _ in range(bench.clients)]
+        timed_clients(url, prompts[:1], 8)  # warm-up: first-call allocations and kernel choices
+        rows = []
+        for r in range(bench.rounds):
+            alone = timed_clients(url, prompts[r % len(prompts):][:1], bench.new_tokens)
+            together = timed_clients(url, prompts, bench.new_tokens)
+            rows.append({"round": r + 1, "clients": bench.clients, "tokens_per_s_alone": alone,
+                         "tokens_per_s_together": together, "ratio": together / alone})
+        return rows
+    finally:
+        server.terminate()
+        server.wait()
+
+
+RUNNERS = {"train": run_stage, "sft": run_stage, "dpo": run_stage, "generate": run_generate, "data": run_data,
+           "serve": run_serve}
 STAGE_COLUMNS = {"tokens_per_s": "{:.0f}", "tokens_per_s_median": "{:.0f}", "ms_per_step": "{:.0f}",
                  "mfu": "{:.2%}", "mfu_median": "{:.2%}", "mem_gb": "{:.2f}",
                  "frac_data": "{:.1%}", "frac_forward": "{:.1%}", "frac_backward": "{:.1%}", "frac_optimizer": "{:.1%}",
@@ -349,6 +418,8 @@ COLUMNS = {"train": STAGE_COLUMNS, "sft": STAGE_COLUMNS, "dpo": STAGE_COLUMNS,
            "generate": {"batch_size": "{}", "prefill_tokens_per_s": "{:.0f}", "decode_tokens_per_s_cache": "{:.1f}",
                         "decode_tokens_per_s_recompute": "{:.1f}", "cache_speedup": "{:.1f}x",
                         "other_load": "{:.2f}"},
+           "serve": {"round": "{}", "clients": "{}", "tokens_per_s_alone": "{:.1f}", "tokens_per_s_together": "{:.1f}",
+                     "ratio": "{:.2f}x", "other_load": "{:.2f}"},
            "data": {"file_mb": "{:.1f}", "tokens": "{:.3g}", "tokenise_mb_per_s_1proc": "{:.2f}",
                     "tokenise_peak_gb_1proc": "{:.2f}", "tokenise_mb_per_s_2proc": "{:.2f}",
                     "tokenise_peak_gb_2proc": "{:.2f}", "loader_batches_per_s": "{:.0f}",

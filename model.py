@@ -60,8 +60,9 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Te
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, T, heads, D) by position. Pairs are (x[i], x[i + D/2]) ("rotate half" layout)."""
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)  # (T, 1, D/2); cast: no fp32 round trip
+    """Rotate x (B, T, heads, D) by position: cos, sin (T, D/2), or (B, T, D/2) when each row has its own positions.
+    Pairs are (x[i], x[i + D/2]) ("rotate half" layout)."""
+    cos, sin = cos[..., None, :].to(x.dtype), sin[..., None, :].to(x.dtype)  # (T, 1, D/2); cast: no fp32 round trip
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
@@ -78,22 +79,49 @@ class RMSNorm(nn.Module):
 
 
 class KVCache:
-    """One layer's keys and values, preallocated once for a whole generation: (B, K, max_len, D)."""
+    """One layer's keys and values, preallocated once: (B, K, max_len, D); a batch of b <= B rows uses rows 0..b-1.
+    Rows share one position (start_pos an int, generate()), or each decodes one token at its own position
+    (start_pos a (b,) tensor: a server's batch of requests that started at different times)."""
 
     def __init__(self, batch_size: int, max_len: int):
         self.shape = (batch_size, max_len)
-        self.k = self.v = None  # allocated at the first update, in the dtype attention runs in
+        self.k = self.v = None  # allocated at the first write, in the dtype attention runs in
 
-    def update(self, k, v, start_pos: int):
-        """Write k, v (B, K, T, D) at start_pos; return all keys and values so far, (B, K, start_pos + T, D)."""
+    def allocate(self, k, v):
+        B, max_len = self.shape
+        self.k = k.new_zeros(B, k.size(1), max_len, k.size(3))
+        self.v = v.new_zeros(B, v.size(1), max_len, v.size(3))
+
+    def update(self, k, v, start_pos: int | torch.Tensor):
+        """Write k, v (b, K, T, D) at start_pos; return the keys and values rows 0..b-1 attend to: (b, K, start_pos
+        + T, D), or with per-row positions all max_len of them (attention hides each row's keys past its own)."""
         if self.k is None:
-            B, max_len = self.shape
-            self.k = k.new_zeros(B, k.size(1), max_len, k.size(3))
-            self.v = v.new_zeros(B, v.size(1), max_len, v.size(3))
-        end = start_pos + k.size(2)
-        self.k[:, :, start_pos:end] = k
-        self.v[:, :, start_pos:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
+            self.allocate(k, v)
+        b = k.size(0)
+        if isinstance(start_pos, int):
+            end = start_pos + k.size(2)
+            self.k[:b, :, start_pos:end] = k
+            self.v[:b, :, start_pos:end] = v
+            return self.k[:b, :, :end], self.v[:b, :, :end]
+        rows = torch.arange(b, device=k.device)
+        self.k[rows, :, start_pos] = k[:, :, 0]  # row r's key goes to position start_pos[r]: (b, K, D)
+        self.v[rows, :, start_pos] = v[:, :, 0]
+        return self.k[:b], self.v[:b]
+
+    def prefix(self, length: int) -> "KVCache":
+        """This cache's first `length` positions, sharing its storage: a batch decoding at per-row positions
+        attends to the keys up to its longest row, not to all max_len."""
+        view = KVCache(self.shape[0], length)
+        view.k, view.v = self.k[:, :, :length], self.v[:, :, :length]
+        return view
+
+    def copy_row(self, row: int, src: "KVCache", src_row: int, length: int):
+        """Row `row`'s first `length` positions <- those of src's row src_row: a request prefilled on its own joins
+        a batch, or a batch's last row moves into the place of one that finished."""
+        if self.k is None:
+            self.allocate(src.k, src.v)
+        self.k[row, :, :length] = src.k[src_row, :, :length]
+        self.v[row, :, :length] = src.v[src_row, :, :length]
 
 
 # query rows per tile of the math path: 64 was the fastest of 32/64/128/256 for 26m (T = 512) on this CPU
@@ -114,7 +142,7 @@ class Attention(nn.Module):
         self.dropout = config.dropout
         self.config = config
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, start_pos: int = 0):
+    def forward(self, x, cos, sin, cache: KVCache | None = None, start_pos: int | torch.Tensor = 0):
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -127,15 +155,20 @@ class Attention(nn.Module):
             k, v = cache.update(k, v, start_pos)  # (B, K, S, D), S = start_pos + T
         dropout = self.dropout if self.training else 0.0
         if self.config.uses_flash(x.device.type):
-            # is_causal masks top-left aligned, right when queries start at key 0; a decode step
-            # (start_pos > 0, T == 1, checked by Transformer) attends to every cached key
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=start_pos == 0, enable_gqa=True)
+            if isinstance(start_pos, int):
+                # is_causal masks top-left aligned, right when queries start at key 0; a decode step
+                # (start_pos > 0, T == 1, checked by Transformer) attends to every cached key
+                mask, causal = None, start_pos == 0
+            else:  # one query per row (T == 1) at its own position: it sees its row's keys 0 .. start_pos
+                mask, causal = (torch.arange(k.size(2), device=x.device) <= start_pos[:, None])[:, None, None], False
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                               enable_gqa=True)
         else:
             y = self.math_attention(q, k, v, start_pos, dropout)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return F.dropout(self.wo(y), dropout, self.training)
 
-    def math_attention(self, q, k, v, start_pos: int, dropout: float):
+    def math_attention(self, q, k, v, start_pos: int | torch.Tensor, dropout: float):
         """softmax(q k^T / sqrt(D) + causal mask) v, written out; the reference the flash path is tested against.
         Queries go in tiles of ATTENTION_TILE rows, each against only the keys its rows may see, so the tiles above
         the diagonal (nearly half the work when T = S) are never computed."""
@@ -144,6 +177,13 @@ class Attention(nn.Module):
         # the H // K query heads that share a kv head become rows of one matmul against it: no repeated k, v
         q = (q / math.sqrt(D)).view(B, K, H // K, T, D)
         k, v = k.reshape(B * K, S, D), v.reshape(B * K, S, D)
+        if not isinstance(start_pos, int):  # one query per row (T == 1) at its own position, keys 0 .. start_pos
+            hidden = torch.arange(S, device=q.device) > start_pos[:, None]  # (B, S)
+            mask = torch.zeros(B, S, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))
+            scores = torch.baddbmm(mask.repeat_interleave(K, dim=0)[:, None], q.reshape(B * K, H // K, D),
+                                   k.transpose(1, 2))  # (B * K, H // K, S)
+            probs = F.dropout(scores.float().softmax(dim=-1), dropout, self.training)
+            return (probs.to(v.dtype) @ v).view(B, H, T, D)
         # query t sits at absolute position start_pos + t and may see keys 0 .. start_pos + t
         hidden = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(diagonal=start_pos + 1)
         mask = torch.zeros(T, S, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))  # added to scores
@@ -181,7 +221,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, start_pos: int = 0):
+    def forward(self, x, cos, sin, cache: KVCache | None = None, start_pos: int | torch.Tensor = 0):
         x = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -212,14 +252,20 @@ class Transformer(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def hidden_states(self, idx, caches: list[KVCache] | None = None, start_pos: int = 0):
-        """Token ids (B, T) -> final normalised hidden states (B, T, dim)."""
+    def hidden_states(self, idx, caches: list[KVCache] | None = None, start_pos: int | torch.Tensor = 0):
+        """Token ids (B, T) -> final normalised hidden states (B, T, dim). start_pos: the position of idx[:, 0], or
+        a (B,) tensor of each row's position when every row decodes one token at its own (T == 1, with caches)."""
         T = idx.size(1)
-        if start_pos + T > self.config.max_seq_len:
-            raise ValueError(f"sequence of {start_pos + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
-        if start_pos > 0 and T > 1:
-            raise ValueError("with a KV cache, only the prefill (start_pos 0) may feed more than one token")
-        cos, sin = self.rope_cos[start_pos : start_pos + T], self.rope_sin[start_pos : start_pos + T]
+        if isinstance(start_pos, int):
+            if start_pos + T > self.config.max_seq_len:
+                raise ValueError(f"sequence of {start_pos + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
+            if start_pos > 0 and T > 1:
+                raise ValueError("with a KV cache, only the prefill (start_pos 0) may feed more than one token")
+            cos, sin = self.rope_cos[start_pos : start_pos + T], self.rope_sin[start_pos : start_pos + T]
+        else:
+            if T != 1 or not caches:
+                raise ValueError("per-row positions decode one token per row, with KV caches")
+            cos, sin = self.rope_cos[start_pos, None], self.rope_sin[start_pos, None]  # (B, 1, D/2): a row's own
         x = F.dropout(self.tok_embeddings(idx), self.config.dropout, self.training)
         for i, layer in enumerate(self.layers):
             if self.config.grad_checkpoint and self.training:
@@ -229,7 +275,7 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def forward(self, idx, targets=None, loss_mask=None, reduction: str = "mean",
-                caches: list[KVCache] | None = None, start_pos: int = 0):
+                caches: list[KVCache] | None = None, start_pos: int | torch.Tensor = 0):
         """With targets (B, T): (logits (B, T, V) float32, loss). loss is the mean cross-entropy over positions
         where loss_mask is 1 (all positions when it is None); with reduction="sum" their sum, with
         reduction="none" the per-token cross-entropy (B, T), unmasked.
@@ -309,8 +355,9 @@ class Transformer(nn.Module):
 
 
 def sample_next(logits, history, temperature: float, top_k: int | None, top_p: float | None,
-                repetition_penalty: float):
-    """Pick the next id (B, 1) from last-position logits (B, V) given the ids so far (B, T)."""
+                repetition_penalty: float, generator: torch.Generator | None = None):
+    """Pick the next id (B, 1) from last-position logits (B, V) given the ids so far (B, T); random draws come
+    from generator (default: torch's global one)."""
     logits = logits.float()
     if repetition_penalty != 1.0:
         # CTRL's penalty on every id already in the sequence: shrink positive logits, push negative ones down
@@ -328,4 +375,4 @@ def sample_next(logits, history, temperature: float, top_k: int | None, top_p: f
         probs = sorted_logits.softmax(dim=-1)
         drop = probs.cumsum(dim=-1) - probs >= top_p
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.multinomial(logits.softmax(dim=-1), num_samples=1)
+    return torch.multinomial(logits.softmax(dim=-1), num_samples=1, generator=generator)

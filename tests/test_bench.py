@@ -142,3 +142,10 @@ def test_a_user_mistake_is_one_error_line_and_exit_status_2_before_anything_runs
         with pytest.raises(ConfigError, match=named):
             bench.main([*args, *TINY])
         assert capsys.readouterr().out == ""  # not even the first variant ran: a typo in the last costs no wait
+
+
+def test_serve_mode_times_one_client_then_several_together():
+    result = bench.main(["--mode=serve", *TINY, "--prompt_tokens=4", "--new_tokens=4", "--rounds=1", "--clients=3"])
+    (row,) = result["rows"]
+    assert row["clients"] == 3 and row["tokens_per_s_alone"] > 0
+    assert row["ratio"] == pytest.approx(row["tokens_per_s_together"] / row["tokens_per_s_alone"])

@@ -95,6 +95,30 @@ def test_decoding_with_the_kv_cache_gives_the_logits_of_a_full_forward(flash, ti
 
 
 @pytest.mark.parametrize("flash, tile", TILES)
+def test_rows_decoding_at_their_own_positions_give_the_logits_of_their_own_full_forward(flash, tile, monkeypatch):
+    # a server's batch: prompts of 3, 9 and 6 tokens, each prefilled alone, then decoded together one token per row
+    # per step, each row at its own position, in a cache with a spare row
+    monkeypatch.setattr(model_py, "ATTENTION_TILE", tile)
+    from model import KVCache
+    model = sharpen(tiny(flash=flash)).eval()
+    lengths, steps = [3, 9, 6], 8
+    rows = [batch(model, B=1, T=n + steps, seed=n)[0, : n + steps] for n in lengths]
+    caches = [KVCache(4, 40) for _ in model.layers]
+    for r, (n, ids) in enumerate(zip(lengths, rows)):
+        alone = [KVCache(1, n) for _ in model.layers]
+        model(ids[None, :n], caches=alone)
+        for cache, own in zip(caches, alone):
+            cache.copy_row(r, own, 0, n)
+    positions = torch.tensor(lengths)
+    for s in range(steps):
+        tokens = torch.stack([ids[n + s] for n, ids in zip(lengths, rows)])[:, None]  # (3, 1)
+        logits, _ = model(tokens, caches=caches, start_pos=positions + s)
+        for r, (n, ids) in enumerate(zip(lengths, rows)):
+            full = model.output(model.hidden_states(ids[None, : n + s + 1]))[0, -1]
+            assert (logits[r, 0] - full).abs().max() <= 1e-5, (r, s)
+
+
+@pytest.mark.parametrize("flash, tile", TILES)
 def test_greedy_generation_with_kv_cache_equals_recomputation(flash, tile, monkeypatch):
     monkeypatch.setattr(model_py, "ATTENTION_TILE", tile)
     model = sharpen(tiny(flash=flash)).eval()

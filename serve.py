@@ -1,0 +1,543 @@
+"""
+Serve a trained model: an OpenAI-compatible HTTP API and a chat page, on the standard library alone.
+
+    python serve.py --ckpt out/dpo/best.pt                        # then open http://127.0.0.1:8000
+    python serve.py --ckpt out/dpo/best.pt --host 0.0.0.0 --api_key SECRET
+
+    POST /v1/chat/completions   messages in the checkpoint's chat template; stream, stop, seed, max_tokens, ...
+    POST /v1/completions        a plain continuation of `prompt`
+    GET  /v1/models, /health, / (the chat page, chat.html)
+
+Requests that overlap in time are decoded together. One engine thread owns the model and a batch of up to
+max_batch rows in one KV cache: a request's prompt is prefilled alone, then it joins the batch, where every row
+decodes one token per step at its own position; it leaves when it ends, meets a stop string or its client goes
+away, while the others go on. HTTP threads only parse, validate and write what the engine sends them.
+"""
+import argparse
+import hmac
+import json
+import os
+import queue
+import secrets
+import select
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from data import DataError, encode_chat, load_tokenizer
+from model import KVCache, sample_next
+from sample import load_model
+from train_utils import ConfigError, cli
+
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+MAX_WAITING = 64  # requests queued for a row beyond this get 503: a client should back off rather than time out
+
+
+class APIError(Exception):
+    """An error response in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error", 500: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.TYPES[self.status], "param": self.param,
+                          "code": self.code}}
+
+
+# -----------------------------------------------------------------------------
+# a request's options, checked: a wrong type or value is a 400 that names the field
+
+COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "stream",
+          "stream_options", "seed", "n", "user"}
+ENDPOINT_FIELDS = {"chat": COMMON | {"messages"}, "completion": COMMON | {"prompt"}}
+
+
+KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "an object"}
+
+
+def get(body: dict, name: str, kind, default=None):
+    """body[name] if it is of kind (int, float, bool, str, list, dict, or a tuple of them); absent or null ->
+    default."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if not ok:
+        kinds = " or ".join(KINDS[k] for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise APIError(400, f"'{name}' must be {kinds}, got {json.dumps(value)[:40]}", name, "invalid_type")
+    return value
+
+
+def sampling_options(body: dict, endpoint: str, model_id: str) -> dict:
+    unknown = sorted(set(body) - ENDPOINT_FIELDS[endpoint])
+    if unknown:
+        raise APIError(400, f"unsupported parameter '{unknown[0]}' (this server takes: "
+                            f"{', '.join(sorted(ENDPOINT_FIELDS[endpoint]))})", unknown[0], "unsupported_parameter")
+    if get(body, "model", str, model_id) != model_id:
+        raise APIError(404, f"the model '{body['model']}' does not exist; this server serves '{model_id}'",
+                       "model", "model_not_found")
+    if get(body, "n", int, 1) != 1:
+        raise APIError(400, "'n' must be 1: one answer per request", "n")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = get(body, name, int)
+    if max_tokens is not None and max_tokens <= 0:
+        raise APIError(400, f"'{name}' must be at least 1, got {max_tokens}", name)
+    temperature, top_p = get(body, "temperature", float, 1.0), get(body, "top_p", float, 1.0)
+    if not 0 <= temperature <= 2:
+        raise APIError(400, f"'temperature' must be between 0 and 2, got {temperature}", "temperature")
+    if not 0 < top_p <= 1:
+        raise APIError(400, f"'top_p' must be in (0, 1], got {top_p}", "top_p")
+    stop = get(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, "'stop' must be a non-empty string or a list of at most 4 of them", "stop")
+    seed = get(body, "seed", int, secrets.randbits(63))
+    stream_options = get(body, "stream_options", dict, {})
+    return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "stop": stop,
+            "generator": torch.Generator().manual_seed(seed), "stream": get(body, "stream", bool, False),
+            "include_usage": get(stream_options, "include_usage", bool, False)}
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """OpenAI messages -> the messages data.encode_chat takes: content given as text parts is joined."""
+    messages = get(body, "messages", list)
+    if not messages:
+        raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise APIError(400, f"messages[{i}] must be an object", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        out.append({k: v for k, v in m.items() if k != "name"} | {"content": content})
+    return out
+
+
+# -----------------------------------------------------------------------------
+# generation: a job per request, the engine that decodes every job in one batch
+
+class TextStream:
+    """A job's token ids -> the text its client may be sent so far: never half a multi-byte character (it waits
+    for the rest), never the beginning of what may still become a stop string, nor the stop string and what
+    follows. A chat answer loses the template's spaces around it (as sample.py shows it)."""
+
+    def __init__(self, tokenizer, stop: list[str], strip: bool):
+        self.tokenizer, self.stop, self.strip = tokenizer, stop, strip
+        self.ids: list[int] = []
+        self.sent = ""
+        self.stopped = False
+        self.waited = 0  # tokens held back in a row for an incomplete character; 4 means it never completes
+
+    def add(self, token: int) -> str:
+        """The next new text after token (maybe ""); sets stopped when a stop string appears."""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        text = text.lstrip(" ") if self.strip else text
+        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if found:
+            self.stopped = True
+            return self.send(text[: min(found)].rstrip(" ") if self.strip else text[: min(found)])
+        self.waited += 1
+        if text.endswith("\ufffd") and self.waited < 4:  # a cut character: its other (at most 3) bytes come next
+            return ""
+        self.waited = 0
+        held = max([k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])], default=0)
+        if self.strip:
+            held = max(held, len(text) - len(text.rstrip(" ")))
+        return self.send(text[: len(text) - held])
+
+    def finish(self) -> str:
+        """The rest of the text, when the answer ends without a stop string."""
+        text = self.tokenizer.decode(self.ids)
+        return self.send(text.strip(" ") if self.strip else text)
+
+    def send(self, text: str) -> str:
+        new = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent += new
+        return new
+
+
+class Job:
+    """One request in the engine. The HTTP thread reads `events`: (text, None) as the answer grows, then
+    (text, finish_reason); ("", "error") when the engine failed. Setting `cancelled` takes it out of the batch."""
+
+    def __init__(self, prompt: list[int], max_new: int, options: dict, text: TextStream):
+        self.prompt, self.max_new, self.text = prompt, max_new, text
+        self.temperature, self.top_p, self.generator = options["temperature"], options["top_p"], options["generator"]
+        self.generated: list[int] = []
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.finish_reason: str | None = None
+        self.cancelled = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.cancelled
+
+    @property
+    def cached(self) -> int:
+        """Positions held in the KV cache: the prompt and every generated token but the last (not yet fed)."""
+        return len(self.prompt) + len(self.generated) - 1
+
+    def take(self, token: int, eos_id: int):
+        """Record the next token and tell the client what it adds."""
+        self.generated.append(token)
+        if token == eos_id:
+            self.finish_reason = "stop"
+            self.events.put((self.text.finish(), "stop"))
+            return
+        new = self.text.add(token)
+        if self.text.stopped:
+            self.finish_reason = "stop"
+        elif len(self.generated) == self.max_new:
+            self.finish_reason = "length"
+            new += self.text.finish()
+        self.events.put((new, self.finish_reason))
+
+
+class Engine:
+    """Owns the model. Each step admits the waiting jobs there is room for (each prefilled alone, then copied into
+    the next row of the batch's KV cache), decodes one token for every row together, and drops the rows that are
+    done, moving the last row into a freed one so the batch stays rows 0..n-1."""
+
+    def __init__(self, model, eos_id: int, max_batch: int):
+        self.model, self.eos_id, self.max_batch = model, eos_id, max_batch
+        self.device = next(model.parameters()).device
+        self.caches = [KVCache(max_batch, model.config.max_seq_len) for _ in model.layers]
+        self.rows: list[Job] = []  # row i of the caches holds rows[i]
+        self.waiting: queue.Queue = queue.Queue()
+        self.generated = 0  # tokens generated since the start, for /health
+
+    def start(self):
+        threading.Thread(target=self.loop, name="engine", daemon=True).start()
+
+    def submit(self, job: Job):
+        if self.waiting.qsize() >= MAX_WAITING:
+            raise APIError(503, f"the server is busy ({MAX_WAITING} requests are waiting); try again later",
+                           code="server_busy")
+        self.waiting.put(job)
+
+    def loop(self):
+        while True:
+            try:
+                with torch.inference_mode():
+                    self.step()
+            except Exception:  # a bug: fail the jobs in flight, keep serving the next ones
+                traceback.print_exc()
+                for job in self.rows:
+                    job.events.put(("", "error"))
+                self.rows = []
+
+    def step(self):
+        while len(self.rows) < self.max_batch:
+            try:
+                job = self.waiting.get(block=not self.rows)  # idle: sleep until a request comes
+            except queue.Empty:
+                break
+            if not job.cancelled:
+                self.admit(job)
+        self.drop_done()
+        if not self.rows:
+            return
+        tokens = torch.tensor([[job.generated[-1]] for job in self.rows], device=self.device)  # (n, 1)
+        positions = [job.cached for job in self.rows]  # each row's own
+        caches = [cache.prefix(max(positions) + 1) for cache in self.caches]  # keys up to the longest row only
+        logits, _ = self.model(tokens, caches=caches, start_pos=torch.tensor(positions, device=self.device))
+        for job, row_logits in zip(self.rows, logits[:, -1]):
+            job.take(self.pick(job, row_logits), self.eos_id)
+        self.generated += len(self.rows)
+        self.drop_done()
+
+    def admit(self, job: Job):
+        n = len(job.prompt)
+        alone = [KVCache(1, n) for _ in self.model.layers]
+        logits, _ = self.model(torch.tensor([job.prompt], device=self.device), caches=alone)  # the prefill
+        for cache, own in zip(self.caches, alone):
+            cache.copy_row(len(self.rows), own, 0, n)
+        self.rows.append(job)
+        job.take(self.pick(job, logits[0, -1]), self.eos_id)
+        self.generated += 1
+
+    def pick(self, job: Job, logits) -> int:
+        # history None: no repetition penalty, which is the only reader of the ids so far
+        return sample_next(logits[None], None, job.temperature, None, job.top_p, 1.0, job.generator).item()
+
+    def drop_done(self):
+        for i in reversed(range(len(self.rows))):  # rows after i are live by now: the last may move into i
+            if self.rows[i].done:
+                last = self.rows.pop()
+                if i < len(self.rows):
+                    for cache in self.caches:
+                        cache.copy_row(i, cache, len(self.rows), last.cached)
+                    self.rows[i] = last
+
+
+# -----------------------------------------------------------------------------
+# HTTP
+
+class App:
+    """What every request handler shares: the tokenizer, the engine, the key, the body limit, the page."""
+
+    def __init__(self, args):
+        model, config = load_model(args.ckpt, args.device)
+        self.stage = config["stage"]
+        self.tokenizer = load_tokenizer(args.tokenizer_path or config.get("tokenizer_path"))
+        self.max_seq_len = model.config.max_seq_len
+        self.model_id, self.created = args.ckpt, int(os.path.getmtime(args.ckpt))
+        self.api_key, self.max_body = args.api_key, args.max_body_kb * 1024
+        self.engine = Engine(model, self.tokenizer.eos_id, args.max_batch)
+        self.engine.start()
+        with open(PAGE, "rb") as f:
+            self.page = f.read()
+
+    def submit(self, endpoint: str, body: dict) -> tuple[Job, dict]:
+        """Check a request, build its prompt (chat: data.encode_chat, the format training used; completion:
+        <s> and the text, as sample.py continues it) and queue its job."""
+        options = sampling_options(body, endpoint, self.model_id)
+        if endpoint == "chat":
+            param = "messages"
+            try:
+                prompt, _ = encode_chat(self.tokenizer, chat_messages(body))
+            except DataError as e:
+                raise APIError(400, f"messages: {e}", param) from None
+        else:
+            param, text = "prompt", get(body, "prompt", str)
+            if text is None:
+                raise APIError(400, "'prompt' (a string) is required", param)
+            prompt = [self.tokenizer.bos_id] + self.tokenizer.encode(text)
+        room = self.max_seq_len - len(prompt)
+        if room < 1:
+            raise APIError(400, f"the prompt is {len(prompt)} tokens, and this model's context is {self.max_seq_len} "
+                                "tokens including the answer", param, "context_length_exceeded")
+        max_new = min(options["max_tokens"] or room, room)  # the context running out ends it with "length"
+        job = Job(prompt, max_new, options, TextStream(self.tokenizer, options["stop"], strip=endpoint == "chat"))
+        self.engine.submit(job)
+        return job, options
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "nanomind"
+    ROUTES = {("GET", "/"): "page", ("GET", "/health"): "health", ("GET", "/v1/models"): "models",
+              ("POST", "/v1/chat/completions"): "chat", ("POST", "/v1/completions"): "completion"}
+
+    def do_GET(self):
+        self.route("GET")
+
+    def do_POST(self):
+        self.route("POST")
+
+    def route(self, method: str):
+        app, path = self.server.app, self.path.split("?", 1)[0]
+        try:
+            raw = self.read_body() if method == "POST" else b""  # read first: an unread body would reset the socket
+            name = self.ROUTES.get((method, path))
+            if name is None:
+                if any(p == path for _, p in self.ROUTES):
+                    raise APIError(405, f"{path} does not take {method}")
+                raise APIError(404, f"no such endpoint: {method} {path}", code="unknown_url")
+            if path.startswith("/v1/"):
+                self.authenticate()
+            if name == "page":
+                self.send(200, app.page, "text/html; charset=utf-8")
+            elif name == "health":
+                self.send_json(200, {"status": "ok", "model": app.model_id, "running": len(app.engine.rows),
+                                     "waiting": app.engine.waiting.qsize(), "generated_tokens": app.engine.generated})
+            elif name == "models":
+                self.send_json(200, {"object": "list", "data": [{"id": app.model_id, "object": "model",
+                                                                 "created": app.created, "owned_by": "nanomind"}]})
+            else:
+                self.complete(name, self.parse(raw))
+        except APIError as e:
+            self.send_json(e.status, e.body())
+        except OSError:  # the client went away while we wrote to it
+            pass
+
+    def read_body(self) -> bytes:
+        try:
+            n = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            raise APIError(400, "Content-Length must be a number") from None
+        if n > self.server.app.max_body:
+            self.connection.settimeout(10)
+            while n > 0 and (chunk := self.rfile.read(min(n, 1 << 16))):  # drained, so the client reads the 413
+                n -= len(chunk)
+            raise APIError(413, f"the body is over this server's limit of {self.server.app.max_body} bytes "
+                                "(--max_body_kb)", code="body_too_large")
+        return self.rfile.read(n)
+
+    def authenticate(self):
+        key = self.server.app.api_key
+        given = self.headers.get("Authorization", "")
+        if key is not None and not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    @staticmethod
+    def parse(raw: bytes) -> dict:
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object", code="invalid_json")
+        return body
+
+    def complete(self, endpoint: str, body: dict):
+        job, options = self.server.app.submit(endpoint, body)
+        chat = endpoint == "chat"
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.server.app.model_id}
+        if options["stream"]:
+            return self.stream(job, head, chat, options["include_usage"])
+        pieces, finish = [], None
+        for text, finish in self.events(job):
+            pieces.append(text)
+        if job.cancelled:
+            return
+        answer = "".join(pieces)
+        choice = {"message": {"role": "assistant", "content": answer}} if chat else {"text": answer}
+        self.send_json(200, {**head, "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish}],
+                             "usage": usage(job)})
+
+    def stream(self, job: Job, head: dict, chat: bool, include_usage: bool):
+        """Server-sent events: chunks of the answer as it grows, one with finish_reason, [DONE]."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        head = {**head, "object": head["object"] + ".chunk" if chat else head["object"]}
+
+        def chunk(text: str | None, finish: str | None = None, role: bool = False):
+            delta = {"role": "assistant"} if role else {} if text is None else {"content": text}
+            choice = {"delta": delta} if chat else {"text": text or ""}
+            self.event({**head, "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish}]})
+
+        try:
+            if chat:
+                chunk(None, role=True)
+            for text, finish in self.events(job):
+                if text:
+                    chunk(text)
+                if finish:
+                    chunk(None, finish)
+            if job.cancelled:
+                return
+            if include_usage:
+                self.event({**head, "choices": [], "usage": usage(job)})
+            self.wfile.write(b"data: [DONE]\n\n")
+        except APIError as e:  # the status line has gone out: the error goes as an event
+            self.event(e.body())
+        except OSError:  # the client went away: its row leaves the batch at the engine's next step
+            job.cancelled = True
+
+    def events(self, job: Job):
+        """The job's (text, finish_reason) events as they come. A client that has gone away cancels the job."""
+        while True:
+            try:
+                text, finish = job.events.get(timeout=0.2)
+            except queue.Empty:
+                text, finish = None, None
+            if self.client_gone():
+                job.cancelled = True
+                return
+            if finish == "error":
+                raise APIError(500, "generation failed; the server's log has the traceback")
+            if text is not None:
+                yield text, finish
+            if finish:
+                return
+
+    def client_gone(self) -> bool:
+        """The client closed its end: the socket reads as ready with nothing in it."""
+        try:
+            ready, _, _ = select.select([self.connection], [], [], 0)
+            return bool(ready) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def event(self, obj: dict):
+        self.wfile.write(f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode())
+
+    def send_json(self, status: int, obj: dict):
+        self.send(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json")
+
+    def send(self, status: int, data: bytes, content_type: str):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def usage(job: Job) -> dict:
+    """Token counts: the prompt as encoded, and every token generated, the end-of-turn token included."""
+    return {"prompt_tokens": len(job.prompt), "completion_tokens": len(job.generated),
+            "total_tokens": len(job.prompt) + len(job.generated)}
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True  # a stuck client does not keep the process alive at exit
+
+    def __init__(self, address: tuple[str, int], app: App):
+        self.app = app
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, Handler)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="a checkpoint written by train_pretrain/sft/dpo.py")
+    p.add_argument("--host", default="127.0.0.1", help="another address than this machine's own lets others in")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
+    p.add_argument("--api_key", help="require 'Authorization: Bearer KEY' on /v1/ (default: no key)")
+    p.add_argument("--tokenizer_path", help="default: the checkpoint's")
+    p.add_argument("--max_batch", type=int, default=8, help="requests decoded together; more wait for a row")
+    p.add_argument("--max_body_kb", type=int, default=1024, help="larger request bodies get 413")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    if args.max_batch < 1 or args.max_body_kb < 1:
+        raise ConfigError("--max_batch and --max_body_kb must be at least 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    app = App(args)
+    try:
+        server = Server((args.host, args.port), app)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e}") from None
+    if args.host not in LOOPBACK:
+        print(f"warning: listening on {args.host}: anyone who can reach this machine on port "
+              f"{server.server_address[1]} can use the model" + ("" if args.api_key else "; set --api_key to require a key"),
+              file=sys.stderr, flush=True)
+    host, port = server.server_address[:2]
+    host = f"[{host}]" if ":" in host else host
+    print(f"serving {args.ckpt} ({app.stage} checkpoint) at http://{host}:{port}/ (the chat page; the API under /v1)",
+          flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    cli(main)

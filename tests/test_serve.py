@@ -1,0 +1,330 @@
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+import model as model_py
+import sample
+import serve
+from data import encode_chat
+from model import ModelConfig, Transformer
+from tokenizer import load_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEY = "test-key"
+QUESTIONS = ["What is the capital of Kenya?", "Which continent is Peru in?", "What is 3 + 4?", "肯尼亚的首都是哪里？",
+             "What is the capital of France? 😀", "秘鲁在哪个洲？", "What is 12 + 5?", "Which continent is Japan in?"]
+
+
+def start_server(ckpt, *flags):
+    """serve.py in a subprocess on a free port -> (process, base url, its stderr file)."""
+    err = open(f"{ckpt}.{os.getpid()}.{time.time_ns()}.stderr", "w+")
+    proc = subprocess.Popen([sys.executable, "serve.py", f"--ckpt={ckpt}", "--port=0", *flags], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=err, text=True)
+    line = proc.stdout.readline()
+    assert "http://" in line, (line, open(err.name).read())
+    return proc, "http://" + line.split("http://", 1)[1].split("/", 1)[0], err
+
+
+@pytest.fixture(scope="module")
+def server(tiny_sft):
+    proc, url, err = start_server(tiny_sft, f"--api_key={KEY}", "--max_batch=8")
+    yield url
+    proc.terminate()
+    proc.wait()
+    assert "warning" not in open(err.name).read()  # 127.0.0.1 by default: no warning
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_sft):
+    """Greedy answers computed alone (model.generate, batch 1), for questions asked with max_tokens=40."""
+    model, _ = sample.load_model(str(tiny_sft))
+    tokenizer = load_tokenizer()
+    answers = {}
+    for q in QUESTIONS:
+        ids, _ = encode_chat(tokenizer, [{"role": "user", "content": q}])
+        out = model.generate(torch.tensor([ids]), 40, temperature=0, eos_id=tokenizer.eos_id)[0, len(ids):].tolist()
+        new = out[: out.index(tokenizer.eos_id) + 1] if tokenizer.eos_id in out else out
+        answers[q] = {"prompt_tokens": len(ids), "completion_tokens": len(new),
+                      "finish_reason": "stop" if new[-1] == tokenizer.eos_id else "length",
+                      "content": tokenizer.decode([t for t in new if t != tokenizer.eos_id]).strip(" ")}
+    return answers
+
+
+def ask(client, question, **options):
+    options = {"temperature": 0, "max_tokens": 40, **options}
+    return client.chat.completions.create(model=client.models.list().data[0].id,
+                                          messages=[{"role": "user", "content": question}], **options)
+
+
+def streamed(client, question, **options):
+    """(the streamed chunks' text joined, every chunk)."""
+    chunks = list(ask(client, question, stream=True, **options))
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks
+
+
+def test_greedy_chat_answers_are_sample_py_s_with_the_tokenizer_s_usage(client, reference, tiny_sft, capsys):
+    for q in QUESTIONS[:3]:
+        answer = ask(client, q)
+        expected = reference[q]
+        assert answer.choices[0].message.content == expected["content"]
+        assert answer.choices[0].finish_reason == expected["finish_reason"]
+        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (
+            expected["prompt_tokens"], expected["completion_tokens"])
+        assert answer.usage.total_tokens == expected["prompt_tokens"] + expected["completion_tokens"]
+        sample.main(["--ckpt", str(tiny_sft), "--prompt", q, "--temperature", "0", "--max_new_tokens", "40"])
+        assert capsys.readouterr().out.rstrip("\n").strip(" ") == expected["content"]
+    assert any(reference[q]["content"] for q in QUESTIONS)  # the tiny model says something
+
+
+def test_a_streamed_answer_is_the_plain_one_in_chunks(client, reference):
+    for q in QUESTIONS[3:6]:  # Chinese and an emoji in the questions
+        text, chunks = streamed(client, q, stream_options={"include_usage": True})
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert text == reference[q]["content"] and "\ufffd" not in text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reference[q]["finish_reason"]
+        assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == reference[q]["completion_tokens"]
+        assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
+
+
+def test_stop_strings_end_the_answer_before_them(client, reference):
+    q = max(QUESTIONS, key=lambda q: len(reference[q]["content"]))
+    full = reference[q]["content"]
+    k = next(k for k in range(2, len(full) - 3) if full[k - 1] != " " != full[k])  # not after a space: it shows
+    stop = full[k : k + 3]
+    expected = full[: full.index(stop)].rstrip(" ")
+    plain = ask(client, q, stop=stop)
+    assert plain.choices[0].message.content == expected and plain.choices[0].finish_reason == "stop"
+    assert plain.usage.completion_tokens <= reference[q]["completion_tokens"]
+    text, chunks = streamed(client, q, stop=["never there", stop])
+    assert text == expected and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_completions_continue_the_text_as_model_generate_does(client, tiny_sft):
+    model, _ = sample.load_model(str(tiny_sft))
+    tokenizer = load_tokenizer()
+    prompt = "The capital of Kenya is"
+    ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
+    out = model.generate(torch.tensor([ids]), 5, temperature=0)[0, len(ids):].tolist()
+    assert tokenizer.eos_id not in out
+    done = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=5,
+                                     temperature=0)
+    assert done.choices[0].text == tokenizer.decode(out) and done.choices[0].finish_reason == "length"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), 5)
+    chunks = list(client.completions.create(model=done.model, prompt=prompt, max_tokens=5, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == tokenizer.decode(out)
+
+
+def test_the_context_running_out_ends_with_length(client, tiny_sft):
+    tokenizer = load_tokenizer()
+    prompt = " ".join(["Kenya"] * 200)
+    ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
+    max_seq_len = torch.load(tiny_sft, weights_only=False)["model_config"]["max_seq_len"]
+    cut = tokenizer.decode(ids[1 : max_seq_len - 2])  # room for 2 tokens
+    assert len(tokenizer.encode(cut)) == max_seq_len - 3
+    done = client.completions.create(model=client.models.list().data[0].id, prompt=cut, max_tokens=100,
+                                     temperature=0)
+    assert done.usage.completion_tokens <= 2 and done.usage.total_tokens <= max_seq_len
+    assert done.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=done.model, prompt=prompt, max_tokens=1)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
+
+
+def test_the_same_seed_samples_the_same_answer(client):
+    answers = {ask(client, QUESTIONS[0], temperature=1.0, seed=7).choices[0].message.content for _ in range(3)}
+    assert len(answers) == 1
+
+
+def raw(url, path, body: bytes | None = None, headers=None, method=None):
+    """(status, parsed JSON body) of one request, whatever the status."""
+    request = urllib.request.Request(url + path, body, {"Authorization": f"Bearer {KEY}", **(headers or {})},
+                                     method=method)
+    try:
+        with urllib.request.urlopen(request) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+BAD = [  # (body, status, param or code the error names)
+    (b"{not json", 400, "invalid_json"),
+    (b"\xff\xfe{}", 400, "invalid_json"),
+    (b"[1, 2]", 400, "invalid_json"),
+    ({**CHAT, "messages": "hi"}, 400, "messages"),
+    ({**CHAT, "messages": []}, 400, "messages"),
+    ({**CHAT, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages"),
+    ({**CHAT, "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ({**CHAT, "temperature": "hot"}, 400, "temperature"),
+    ({**CHAT, "temperature": 3}, 400, "temperature"),
+    ({**CHAT, "top_p": 0}, 400, "top_p"),
+    ({**CHAT, "max_tokens": "5"}, 400, "max_tokens"),
+    ({**CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    ({**CHAT, "max_tokens": -3}, 400, "max_tokens"),
+    ({**CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ({**CHAT, "max_tokens": True}, 400, "max_tokens"),
+    ({**CHAT, "stream": "yes"}, 400, "stream"),
+    ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({**CHAT, "stop": 5}, 400, "stop"),
+    ({**CHAT, "stream_options": []}, 400, "stream_options"),
+    ({**CHAT, "seed": 1.5}, 400, "seed"),
+    ({**CHAT, "n": 2}, 400, "n"),
+    ({**CHAT, "frequency_penalty": 1}, 400, "frequency_penalty"),
+    ({**CHAT, "messages": [{"role": "user", "content": "Kenya " * 200}]}, 400, "context_length_exceeded"),
+    ({**CHAT, "model": "gpt-4"}, 404, "model_not_found"),
+]
+
+
+@pytest.mark.parametrize("body, status, named", BAD)
+def test_a_bad_request_gets_an_openai_error_naming_it_and_the_next_is_served(server, body, status, named):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    code, answer = raw(server, "/v1/chat/completions", data, {"Content-Type": "application/json"})
+    error = answer["error"]
+    assert code == status and named in (error["param"], error["code"]) and error["message"] and error["type"]
+    assert raw(server, "/v1/chat/completions", json.dumps(CHAT).encode())[0] == 200
+
+
+def test_keys_paths_and_body_size(server, client):
+    status, body = raw(server, "/v1/models", headers={"Authorization": ""})
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+    assert raw(server, "/v1/nothing")[0] == 404 and raw(server, "/v1/models", b"{}")[0] == 405
+    status, body = raw(server, "/v1/chat/completions", b" " * (1024 * 1024 + 1))
+    assert status == 413 and body["error"]["code"] == "body_too_large"
+    assert raw(server, "/health", headers={"Authorization": ""})[1]["status"] == "ok"  # no key needed
+    assert client.models.list().data[0].id.endswith("best.pt")
+
+
+def test_another_host_than_loopback_is_warned_about(tiny_sft):
+    proc, _, err = start_server(tiny_sft, "--host=0.0.0.0")
+    proc.terminate()
+    proc.wait()
+    assert "warning: listening on 0.0.0.0: anyone who can reach" in open(err.name).read()
+
+
+def test_eight_concurrent_streams_each_get_their_own_answer(client, reference):
+    results, start = {}, threading.Barrier(len(QUESTIONS))
+
+    def one(q):
+        start.wait()
+        results[q] = streamed(client, q, stream_options={"include_usage": True})
+
+    threads = [threading.Thread(target=one, args=(q,)) for q in QUESTIONS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for q in QUESTIONS:
+        text, chunks = results[q]
+        assert text == reference[q]["content"], q
+        assert chunks[-1].usage.completion_tokens == reference[q]["completion_tokens"]
+
+
+@pytest.fixture(scope="module")
+def long_server(tmp_path_factory):
+    """A random-init model with a 4096-token context: an answer long enough to walk away from."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=6400, max_seq_len=4096)
+    path = tmp_path_factory.mktemp("long") / "long.pt"
+    torch.save({"model": Transformer(cfg).state_dict(), "model_config": dataclasses.asdict(cfg),
+                "config": {"tokenizer_path": None}, "stage": "sft"}, path)
+    proc, url, _ = start_server(path)
+    yield url
+    proc.terminate()
+    proc.wait()
+
+
+def health(url) -> dict:
+    with urllib.request.urlopen(url + "/health") as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_stops_its_generation(long_server, stream):
+    before = health(long_server)["generated_tokens"]
+    host, port = long_server[len("http://"):].split(":")
+    body = json.dumps({"prompt": "The capital of", "stream": stream, "temperature": 0}).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    if stream:
+        assert sock.recv(100).startswith(b"HTTP/1.0 200")
+    while health(long_server)["generated_tokens"] == before:
+        time.sleep(0.01)
+    assert health(long_server)["running"] == 1
+    sock.close()  # walk away mid-answer
+    deadline = time.time() + 30
+    while health(long_server)["running"] and time.time() < deadline:
+        time.sleep(0.01)
+    assert health(long_server)["running"] == 0
+    generated = health(long_server)["generated_tokens"] - before
+    assert generated < 4000  # the answer had room for ~4090 tokens
+    body = json.dumps({"prompt": "The capital of", "max_tokens": 3, "temperature": 0}).encode()
+    assert raw(long_server, "/v1/completions", body)[1]["usage"]["completion_tokens"] == 3  # served normally
+
+
+def test_text_is_sent_in_whole_characters_and_never_the_start_of_a_stop_string():
+    tokenizer = load_tokenizer()
+    text = " Paris 😀 北京 é ST OP"
+    ids = tokenizer.encode(text)
+    assert any(tokenizer.decode([i]).endswith("\ufffd") for i in ids)  # the emoji is cut across byte tokens
+    stream = serve.TextStream(tokenizer, ["STOP", " OP"], strip=True)
+    pieces = [stream.add(i) for i in ids]
+    assert stream.stopped and "".join(pieces) == "Paris 😀 北京 é ST"
+    assert not any("\ufffd" in p for p in pieces)
+    assert "😀" in pieces[[tokenizer.decode(ids[: k + 1]).endswith("😀") for k in range(len(ids))].index(True)]
+    broken = serve.TextStream(tokenizer, [], strip=False)  # bytes that never make a character are not held forever
+    pieces = [broken.add(240) for _ in range(6)]
+    assert pieces[3] and "".join(pieces) + broken.finish() == tokenizer.decode([240] * 6)
+    held = serve.TextStream(tokenizer, ["ST OPX"], strip=True)  # " ST OP" may yet become it: held back
+    pieces = [held.add(i) for i in ids]
+    assert not held.stopped and "".join(pieces) == "Paris 😀 北京 é " and held.finish() == "ST OP"
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_rows_joining_and_leaving_the_batch_get_what_they_get_alone(flash, monkeypatch):
+    # 7 requests, room for 3 rows: rows start and end at different steps, and later requests wait for a row
+    monkeypatch.setattr(model_py, "ATTENTION_TILE", 4)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=64,
+                                    flash=flash)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4)  # sharper: the context matters (see test_model.sharpen)
+    prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (3, 9, 5, 12, 4, 7, 6)]
+    lengths = [20, 6, 14, 3, 25, 9, 11]
+    engine = serve.Engine(model, eos_id=-1, max_batch=3)
+    jobs = []
+    for prompt, n in zip(prompts, lengths):
+        options = {"temperature": 0.0, "top_p": 1.0, "generator": None}
+        jobs.append(serve.Job(prompt, n, options, serve.TextStream(load_tokenizer(), [], strip=False)))
+        engine.submit(jobs[-1])
+    batch_sizes = []
+    while not all(job.done for job in jobs):
+        engine.step()
+        batch_sizes.append(len(engine.rows))
+    assert max(batch_sizes) == 3 and len(set(batch_sizes)) > 2  # full, then shrinking as rows finish
+    for job, prompt, n in zip(jobs, prompts, lengths):
+        alone = model.generate(torch.tensor([prompt]), n, temperature=0)[0, len(prompt):].tolist()
+        assert job.generated == alone and job.finish_reason == "length"
