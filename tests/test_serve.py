@@ -314,11 +314,11 @@ def test_rows_joining_and_leaving_the_batch_get_what_they_get_alone(flash, monke
     prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (3, 9, 5, 12, 4, 7, 6)]
     lengths = [20, 6, 14, 3, 25, 9, 11]
-    engine = serve.Engine(model, eos_id=-1, max_batch=3)
+    engine, tokenizer = serve.Engine(model, eos_id=-1, max_batch=3), load_tokenizer()
     jobs = []
     for prompt, n in zip(prompts, lengths):
         options = {"temperature": 0.0, "top_p": 1.0, "generator": None}
-        jobs.append(serve.Job(prompt, n, options, serve.TextStream(load_tokenizer(), [], strip=False)))
+        jobs.append(serve.Job(prompt, n, options, serve.TextStream(tokenizer, [], strip=False)))
         engine.submit(jobs[-1])
     batch_sizes = []
     while not all(job.done for job in jobs):
