@@ -30,10 +30,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from data import DataError, encode_chat, load_tokenizer
+from data import DataError, encode_chat
 from model import KVCache, sample_next
 from sample import load_model
-from train_utils import ConfigError, cli
+from train_utils import ConfigError, checkpoint_tokenizer, cli
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -295,9 +295,9 @@ class App:
     """What every request handler shares: the tokenizer, the engine, the key, the body limit, the page."""
 
     def __init__(self, args):
-        model, config = load_model(args.ckpt, args.device)
-        self.stage = config["stage"]
-        self.tokenizer = load_tokenizer(args.tokenizer_path or config.get("tokenizer_path"))
+        model, state = load_model(args.ckpt, args.device)
+        self.stage = state["stage"]
+        self.tokenizer = checkpoint_tokenizer(state, args.tokenizer_path)  # and with it the chat template
         self.max_seq_len = model.config.max_seq_len
         self.model_id, self.created = args.ckpt, int(os.path.getmtime(args.ckpt))
         self.api_key, self.max_body = args.api_key, args.max_body_kb * 1024

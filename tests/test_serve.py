@@ -328,3 +328,32 @@ def test_rows_joining_and_leaving_the_batch_get_what_they_get_alone(flash, monke
     for job, prompt, n in zip(jobs, prompts, lengths):
         alone = model.generate(torch.tensor([prompt]), n, temperature=0)[0, len(prompt):].tolist()
         assert job.generated == alone and job.finish_reason == "length"
+
+
+def test_a_chatml_checkpoint_is_served_in_its_own_template(tmp_path):
+    """A checkpoint trained with MiniMind's tokenizer records it; the server prompts in its ChatML template
+    (prompt tokens = apply_chat_template's) and answers what greedy decoding alone gives."""
+    from transformers import AutoTokenizer
+
+    minimind = os.path.join(REPO, "tests", "fixtures", "minimind")
+    tokenizer = load_tokenizer(minimind)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=6400, max_seq_len=128))
+    ckpt = tmp_path / "chatml.pt"
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "stage": "sft",
+                "config": {"tokenizer_path": minimind},
+                "tokenizer": {"path": minimind, "fingerprint": tokenizer.fingerprint, "chat_template": "chatml"}}, ckpt)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "北京天气？"}]
+    ids = AutoTokenizer.from_pretrained(minimind).apply_chat_template(messages, add_generation_prompt=True,
+                                                                      tokenize=True, return_dict=False)
+    out = model.eval().generate(torch.tensor([ids]), 12, temperature=0, eos_id=tokenizer.eos_id)[0, len(ids):].tolist()
+    out = out[: out.index(tokenizer.eos_id)] if tokenizer.eos_id in out else out
+    proc, url, _ = start_server(ckpt)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        answer = client.chat.completions.create(model=str(ckpt), messages=messages, temperature=0, max_tokens=12)
+    finally:
+        proc.terminate()
+        proc.wait()
+    assert answer.usage.prompt_tokens == len(ids)
+    assert answer.choices[0].message.content == tokenizer.decode(out).strip(" ")
