@@ -36,8 +36,11 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         if not self.enabled:
             return y
-        # (..., in) -> (..., r) -> (..., out); B = 0 adds exactly 0, so a fresh adapter changes no logit
-        return y + F.linear(F.linear(F.dropout(x, self.dropout, self.training), self.lora_a), self.lora_b) * self.scale
+        if self.dropout and self.training:  # skipped at 0: F.dropout would still store a copy of x and a mask
+            x = F.dropout(x, self.dropout)
+        # (..., in) -> (..., r) -> (..., out), added into y in place (linear's backward needs x, not y): no two
+        # more (..., out) temporaries per projection. B = 0 adds exactly 0: a fresh adapter changes no logit
+        return y.add_(F.linear(F.linear(x, self.lora_a), self.lora_b), alpha=self.scale)
 
     @torch.no_grad()
     def merged(self) -> nn.Linear:
