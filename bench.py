@@ -6,6 +6,7 @@ decoding against recomputation; tokenisation and batching throughput.
     python bench.py configs/26m.py --mode=train --batch_size=8 --variants "dtype=float32" "dtype=bfloat16"
     python bench.py configs/26m.py --mode=sft --batch_size=8
     python bench.py configs/26m.py --mode=dpo --batch_size=4      # on-the-fly vs precomputed reference
+    python bench.py configs/26m.py --mode=lora --batch_size=8     # full fine-tuning vs LoRA, SFT and DPO
     python bench.py configs/26m.py --mode=generate                 # batch 1 and 8, 256 new tokens
     python bench.py configs/26m.py --mode=data --batch_size=8
     python bench.py configs/26m.py --mode=serve                    # serve.py: 1 client alone, then 8 at once
@@ -42,6 +43,7 @@ import train_dpo
 import train_pretrain
 import train_sft
 from data import Loader, PretrainData, load_tokenizer, tokenize_file
+from lora import add_lora, trainable_params
 from model import ModelConfig, Transformer
 from train_utils import ConfigError, cli, help_text, load_config, measure_peak_flops, read_config_file, setup
 
@@ -49,9 +51,11 @@ from train_utils import ConfigError, cli, help_text, load_config, measure_peak_f
 @dataclasses.dataclass
 class Bench:
     # --- what to measure
-    mode: str = "train"  # train | sft | dpo | generate | data | serve
+    mode: str = "train"  # train | sft | dpo | lora | generate | data | serve
     steps: int = 5  # steps 1..N warm up (allocations settle), N+1..2N are timed one by one
     peak_repeats: int = 3  # measure_peak_flops runs before the first variant and after each (unless --peak_flops)
+    # --- mode=lora
+    lora_rank: int = 8  # the LoRA runs' adapters (their alpha and targets: lora_alpha, lora_targets)
     # --- mode=generate and mode=serve
     prompt_tokens: int = 64
     new_tokens: int = 256
@@ -81,7 +85,7 @@ def keys(*schemas) -> set[str]:
 def stage_schemas(mode: str) -> tuple:
     """The dataclasses a mode's flags fill: the stage script's Config (generate and data read a few of
     train_pretrain's) and the model's."""
-    return SCRIPTS.get(mode, train_pretrain).Config, ModelConfig
+    return SCRIPTS.get("sft" if mode == "lora" else mode, train_pretrain).Config, ModelConfig
 
 
 def print_help(argv: list[str]):
@@ -111,8 +115,8 @@ def parse_args(argv: list[str]) -> tuple[Bench, list[str], list[str]]:
             end += 1
         variants, argv = argv[i + 1 : end + 1], argv[:i] + argv[end + 1 :]
     (bench,) = load_config([a for a in argv if key(a) in keys(Bench)], Bench)
-    if bench.mode not in (*SCRIPTS, "generate", "data", "serve"):
-        raise ConfigError(f"mode must be train, sft, dpo, generate, data or serve, got {bench.mode!r}")
+    if bench.mode not in (*SCRIPTS, "lora", "generate", "data", "serve"):
+        raise ConfigError(f"mode must be train, sft, dpo, lora, generate, data or serve, got {bench.mode!r}")
     flags += [a for a in argv if key(a) not in keys(Bench)]
     variants = variants or DEFAULT_VARIANTS.get(bench.mode, [""])
     for variant in variants:
@@ -127,7 +131,7 @@ def variant_flags(variant: str) -> list[str]:
 def resolve(mode: str, flags: list[str]):
     """(script config, model config) the flags give; an unknown key is an error that names it."""
     schema = stage_schemas(mode)[0]
-    if mode not in ("sft", "dpo"):
+    if mode not in ("sft", "dpo", "lora"):
         return load_config(flags, schema, ModelConfig)
     unknown = {key(f) for f in flags} - keys(schema, ModelConfig)
     if unknown:
@@ -220,6 +224,28 @@ def run_stage(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_o
              "mfu": fastest["mfu"], "mfu_median": median["mfu"], "mem_gb": rows[-1]["mem_gb"],
              **{k: v for k, v in fastest.items() if k.startswith("frac_")}, "device": str(run.device),
              "dtype": run.dtype, "peak_flops": peak, "peak_measured": not cfg.peak_flops}]
+
+
+def run_lora(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
+    """Full fine-tuning against LoRA of rank lora_rank, each through run_stage: SFT, then DPO (half the batch_size
+    in pairs: as many sequences) with the reference a second model and with the adapters switched off. Each row
+    adds the run's trainable parameters."""
+    cfg, model_cfg = resolve("sft", flags)
+    model = Transformer(model_cfg)
+    model.tok_embeddings.weight.requires_grad_(not cfg.freeze_embeddings)
+    full = trainable_params(model)
+    adapters = trainable_params(add_lora(model, bench.lora_rank, cfg.lora_alpha, 0.0, cfg.lora_targets.split(",")))
+    lora, pairs = [f"--lora_rank={bench.lora_rank}"], [f"--batch_size={max(1, cfg.batch_size // 2)}"]
+    runs = [("sft", "full", []), ("sft", "LoRA", lora), ("dpo", "full, reference model", pairs),
+            ("dpo", "LoRA, reference model", [*pairs, *lora, f"--ref_from={tmp}/3/init.pt"]),  # run_stage writes it
+            ("dpo", "LoRA, adapters-off reference", [*pairs, *lora])]
+    rows = []
+    for i, (mode, name, extra) in enumerate(runs):
+        os.makedirs(f"{tmp}/{i}")
+        print(f"  {mode} {name} ...", file=sys.stderr, flush=True)
+        (row,) = run_stage(dataclasses.replace(bench, mode=mode), flags + extra, f"{tmp}/{i}", synth, peak_of)
+        rows.append({"run": f"{mode} {name}", "trainable_params": adapters if lora[0] in extra else full, **row})
+    return rows
 
 
 def timed_generation(model, prompt, new_tokens: int, use_cache: bool, run) -> tuple[float, float]:
@@ -408,13 +434,15 @@ def run_serve(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_o
         server.wait()
 
 
-RUNNERS = {"train": run_stage, "sft": run_stage, "dpo": run_stage, "generate": run_generate, "data": run_data,
-           "serve": run_serve}
+RUNNERS = {"train": run_stage, "sft": run_stage, "dpo": run_stage, "lora": run_lora, "generate": run_generate,
+           "data": run_data, "serve": run_serve}
 STAGE_COLUMNS = {"tokens_per_s": "{:.0f}", "tokens_per_s_median": "{:.0f}", "ms_per_step": "{:.0f}",
                  "mfu": "{:.2%}", "mfu_median": "{:.2%}", "mem_gb": "{:.2f}",
                  "frac_data": "{:.1%}", "frac_forward": "{:.1%}", "frac_backward": "{:.1%}", "frac_optimizer": "{:.1%}",
                  "other_load": "{:.2f}"}
 COLUMNS = {"train": STAGE_COLUMNS, "sft": STAGE_COLUMNS, "dpo": STAGE_COLUMNS,
+           "lora": {"run": "{}", "trainable_params": "{:,}", "tokens_per_s": "{:.0f}", "tokens_per_s_median": "{:.0f}",
+                    "ms_per_step": "{:.0f}", "mem_gb": "{:.2f}", "other_load": "{:.2f}"},
            "generate": {"batch_size": "{}", "prefill_tokens_per_s": "{:.0f}", "decode_tokens_per_s_cache": "{:.1f}",
                         "decode_tokens_per_s_recompute": "{:.1f}", "cache_speedup": "{:.1f}x",
                         "other_load": "{:.2f}"},

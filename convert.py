@@ -5,6 +5,7 @@ Move weights between nanomind and the Hugging Face world.
     python convert.py import full_sft_512.pth out/minimind2.pt --tokenizer=minimind/model --n_heads=8   # MiniMind2's
     python convert.py import MiniMind2-Small/ out/minimind2.pt                              # a transformers folder
     python convert.py export out/sft/best.pt hf/ [--dtype=bfloat16] [--force]
+    python convert.py merge out/sft_lora/best.pt out/sft_merged.pt                        # LoRA folded into its base
 
 import reads a MiniMind *.pth state dict (MiniMind2; minimind-3 adds q_norm / k_norm) or a transformers folder
 (config.json + model.safetensors or pytorch_model.bin) of LlamaForCausalLM, Qwen3ForCausalLM or MiniMind's own
@@ -16,6 +17,10 @@ holding a tokenizer.json records itself).
 export writes a folder that transformers' AutoModelForCausalLM and AutoTokenizer load without remote code:
 config.json (LlamaForCausalLM, or Qwen3ForCausalLM with qk_norm), model.safetensors, generation_config.json,
 tokenizer.json and tokenizer_config.json (with a chat template rendering what data.encode_chat does).
+
+merge: a LoRA checkpoint holds only its adapters and the path and digest of the checkpoint they were trained on;
+the merged one is a full checkpoint (weights, configs, tokenizer, stage, step; no optimizer) that loads without
+the base. (Every tool that takes a checkpoint also merges a LoRA one on load.)
 
 Safetensors is read and written here, no library: an 8-byte little-endian header length, a JSON header
 {name: {dtype, shape, data_offsets}}, then the raw little-endian tensors.
@@ -35,7 +40,7 @@ import torch
 from model import ModelConfig, Transformer
 from tokenizer import DEFAULT_DIR, HFTokenizer, TiktokenTokenizer, _byte_level_alphabet, load_tokenizer
 from train_utils import (CheckpointError, ConfigError, atomic_save, check_type, checkpoint_tokenizer, cli,
-                         load_checkpoint, load_model_state, parse_flag_value)
+                         load_checkpoint, load_model_state, model_from_checkpoint, parse_flag_value)
 
 # -----------------------------------------------------------------------------
 # safetensors
@@ -398,8 +403,9 @@ def export(ckpt: str, out_dir: Path, dtype: str, force: bool):
     tokenizer = checkpoint_tokenizer(state)  # the one it trained with, checked against its fingerprint
     tokenizer_dir = Path(state["config"].get("tokenizer_path") or DEFAULT_DIR)
     files = tokenizer_files(tokenizer, tokenizer_dir, cfg.max_seq_len)
+    model, _ = model_from_checkpoint(ckpt)  # a LoRA checkpoint comes merged onto its base
     weights = {}
-    for name, t in state["model"].items():
+    for name, t in model.state_dict().items():
         if name == "output.weight" and cfg.tie_embeddings:
             continue  # tied: transformers makes lm_head from the embedding
         weights[rename(name, NANOMIND_TO_HF)] = t.to(getattr(torch, dtype))
@@ -419,6 +425,21 @@ def export(ckpt: str, out_dir: Path, dtype: str, force: bool):
 
 
 # -----------------------------------------------------------------------------
+# merge
+
+def merge(lora_path: str, out_path: str):
+    if os.path.exists(out_path):  # nothing already written is overwritten
+        raise ConfigError(f"{out_path} already exists: name another output file")
+    model, state = model_from_checkpoint(lora_path)  # merged onto its base, whose digest is checked
+    if "lora" not in state:
+        raise ConfigError(f"{lora_path} is not a LoRA checkpoint: it holds the full model already")
+    atomic_save({"model": model.state_dict(), "model_config": state["model_config"], "config": state["config"],
+                 "tokenizer": state.get("tokenizer"), "stage": state["stage"], "step": state["step"],
+                 "merged_from": lora_path}, out_path)
+    print(f"{lora_path} merged onto {state['lora']['base']}: {out_path}")
+
+
+# -----------------------------------------------------------------------------
 
 def main(argv: list[str]):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -435,11 +456,16 @@ def main(argv: list[str]):
     exp.add_argument("out_dir", type=Path)
     exp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     exp.add_argument("--force", action="store_true", help="replace OUT_DIR if it is not empty")
+    mrg = sub.add_parser("merge", help="fold a LoRA checkpoint's adapters into its base: a full checkpoint")
+    mrg.add_argument("lora", help="a checkpoint written by train_sft.py or train_dpo.py with lora_rank > 0")
+    mrg.add_argument("out", help="the full checkpoint to write (must not exist)")
     args, rest = p.parse_known_args(argv)
+    if args.command != "import" and rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "export":
-        if rest:
-            p.error(f"unrecognized arguments: {' '.join(rest)}")
         export(args.ckpt, args.out_dir, args.dtype, args.force)
+    elif args.command == "merge":
+        merge(args.lora, args.out)
     else:
         import_weights(args.src, args.out, args.tokenizer, args.stage, model_flags(rest), args.force)
 

@@ -79,7 +79,8 @@ def chat_loop(model, tokenizer, args, chat: bool, read=input, out=sys.stdout) ->
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="a checkpoint written by train_pretrain/sft/dpo.py")
+    p.add_argument("--ckpt", required=True, help="a checkpoint written by train_pretrain/sft/dpo/distill.py "
+                                                  "(a LoRA one is merged onto its base)")
     p.add_argument("--prompt", help="answer this once and exit; without it, chat interactively")
     p.add_argument("--system", help="system prompt (chat checkpoints)")
     p.add_argument("--tokenizer_path", help="default: the checkpoint's (its chat template comes with it)")

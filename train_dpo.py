@@ -13,10 +13,13 @@ import dataclasses
 import hashlib
 import math
 import os
+from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+import lora
 from data import DPOData, Loader, expand_paths, file_digest, load_split, load_tokenizer
 from train_utils import (ConfigError, EarlyStopping, FinetuneConfig, MetricsLog, StepTimer, StopSignal, all_reduce_mean,
                          bits_per_byte, checkpoint_to_resume, cli, clip_gradients, count_token_bytes, evaluate,
@@ -91,16 +94,20 @@ def load_frozen(path: str, device, flash: bool | None):
 
 class Reference:
     """The frozen reference's log-probs of a batch's pairs: from the model on the fly, or looked up by pair index
-    in tables computed once (precompute_ref: half the forward passes, and one model in memory)."""
+    in tables computed once (precompute_ref: half the forward passes, and one model in memory). A LoRA policy is
+    its own reference: the unwrapped policy with its adapters off (lora.adapters_off) is the init_from model."""
 
-    def __init__(self, model=None, tables: dict[str, torch.Tensor] | None = None, length_norm: bool = True):
+    def __init__(self, model=None, tables: dict[str, torch.Tensor] | None = None, length_norm: bool = True,
+                 adapters_off: bool = False):
         self.model, self.tables, self.length_norm = model, tables, length_norm
+        self.context = partial(lora.adapters_off, model) if adapters_off else nullcontext
 
     @torch.no_grad()
     def logprobs(self, X, Y, loss_mask, idx, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) log-probs, (n_pairs,) each; split ("train" or "val") names the table."""
         if self.model is not None:
-            return sequence_logprobs(self.model, X, Y, loss_mask, self.length_norm).chunk(2)
+            with self.context():
+                return sequence_logprobs(self.model, X, Y, loss_mask, self.length_norm).chunk(2)
         return self.tables[split][idx].unbind(dim=1)
 
 
@@ -168,9 +175,12 @@ def load_data(cfg, run) -> tuple[Loader, Loader]:
             Loader(DPOData(val_records), cfg.batch_size, name="validation pairs", **loader_args))
 
 
-def make_reference(cfg, run, loader, val_loader) -> Reference:
-    """The frozen reference (ref_from, else init_from): a second model, or with precompute_ref its log-probs of
-    every pair, computed once by rank 0 and cached beside the data."""
+def make_reference(cfg, run, model, loader, val_loader) -> Reference:
+    """The frozen reference (ref_from, else init_from): a second model; with LoRA and no ref_from, the policy
+    model itself with its adapters off; with precompute_ref its log-probs of every pair, computed once by rank 0
+    and cached beside the data."""
+    if cfg.lora_rank and cfg.ref_from is None and not cfg.precompute_ref:
+        return Reference(model, None, cfg.length_norm, adapters_off=True)
     if not cfg.precompute_ref:
         return Reference(load_frozen(cfg.ref_from or cfg.init_from, run.device, cfg.flash), None, cfg.length_norm)
     with run.rank0_first("waiting for rank 0 to compute the reference log-probs"):
@@ -188,7 +198,7 @@ def main(argv: list[str]):
     resume_from = checkpoint_to_resume(cfg)
     loader, val_loader = load_data(cfg, run)
     max_steps, warmup_steps, steps_per_epoch = schedule_length(cfg, loader, val_loader, run)
-    reference = make_reference(cfg, run, loader, val_loader)
+    reference = make_reference(cfg, run, model, loader, val_loader)
 
     early = EarlyStopping(cfg.early_stopping_patience, cfg.early_stopping_threshold)
     optimizer, scaler, guard, checkpoints = prepare_training(cfg, model_cfg, "dpo", run, model, loader, early)

@@ -34,14 +34,16 @@ class Config(FinetuneConfig):
     warmup_ratio: float | None = 0.05
 
 
-def load_data(cfg, model_cfg, run) -> tuple[Loader, Loader]:
-    """Training and validation conversations; rank 0 tokenises (or finds the cache) first."""
-    if cfg.max_seq_len > model_cfg.max_seq_len:
-        raise ConfigError(f"max_seq_len {cfg.max_seq_len} exceeds the model's {model_cfg.max_seq_len} ({cfg.init_from})")
+def load_data(cfg, model_cfg, run, max_seq_len: int | None = None) -> tuple[Loader, Loader]:
+    """Training and validation conversations of up to max_seq_len (default cfg.max_seq_len) + 1 tokens; rank 0
+    tokenises (or finds the cache) first."""
+    max_seq_len = max_seq_len or cfg.max_seq_len
+    if max_seq_len > model_cfg.max_seq_len:
+        raise ConfigError(f"max_seq_len {max_seq_len} exceeds the model's {model_cfg.max_seq_len} ({cfg.init_from})")
     tokenizer = load_tokenizer(cfg.tokenizer_path)
     with run.rank0_first("waiting for rank 0 to tokenise the data (or to find its cache)"):
         train_records, val_records = load_split(cfg.data_path, cfg.val_data_path, cfg.val_fraction, tokenizer, "sft",
-                                                max_len=cfg.max_seq_len + 1, skip_bad=cfg.skip_bad, verbose=run.master)
+                                                max_len=max_seq_len + 1, skip_bad=cfg.skip_bad, verbose=run.master)
     loader_args = dict(pad_id=tokenizer.pad_id, device=run.device, seed=cfg.seed, rank=run.rank, world_size=run.world_size)
     return (Loader(SFTData(train_records), cfg.batch_size, name="training conversations", **loader_args),
             Loader(SFTData(val_records), cfg.batch_size, name="validation conversations", **loader_args))

@@ -5,7 +5,8 @@ evaluates and saves; the pieces it calls are here.
   configuration  TrainConfig, FinetuneConfig, load_config (defaults <- config file <- --key=value), --help, cli()
   processes      setup (device, dtype, torchrun, seeds), Run, print0, all_reduce_mean, teardown
   the step       get_lr, set_lr, clip_gradients, NonFiniteGuard (skip a NaN/Inf update), StepTimer
-  checkpoints    Checkpoints (save, rotate, resume), load_checkpoint, model_from_checkpoint, EarlyStopping
+  checkpoints    Checkpoints (save, rotate, resume), load_checkpoint, model_from_checkpoint (LoRA ones merged onto
+                 their base), checkpoint_tokenizer, EarlyStopping
   output         MetricsLog (metrics.jsonl and the console line), evaluate, validation_loss (loss, ppl,
                  bits per byte: count_token_bytes, lm_sums), StopSignal
 """
@@ -31,7 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data import DataError
+from data import DataError, file_digest
+from lora import TARGETS, adapter_state, add_lora, lora_layers, merge_lora, trainable_params
 from model import ModelConfig, Transformer
 from tokenizer import TokenizerError, load_tokenizer
 
@@ -114,11 +116,24 @@ class FinetuneConfig(TrainConfig):
     grad_checkpoint: bool = False  # recompute each block in backward: less memory, more compute
     dropout: float = 0.0
     freeze_embeddings: bool = False  # keep the (tied) token embedding as it was: see configs/demo_sft.py
+    # --- LoRA: train small low-rank adapters on the frozen init_from model instead of the model itself (lora.py)
+    lora_rank: int = 0  # r of every adapter; 0: off, full fine-tuning
+    lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # dropout on the adapters' input
+    lora_targets: str = "wq,wk,wv,wo,w1,w2,w3"  # comma-separated: the projections that get adapters
     # --- logging, evaluation, checkpoints
     eval_interval: int = 500  # and at every epoch end
     save_interval: int = 1000
     early_stopping_patience: int = 3  # stop after this many evaluations without an improvement of ...
     early_stopping_threshold: float = 0.0  # ... this much in val_loss
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.lora_rank < 0:
+            raise ConfigError(f"config key 'lora_rank' must be 0 (off) or more, got {self.lora_rank}")
+        unknown = set(self.lora_targets.split(",")) - set(TARGETS)
+        if unknown:
+            raise ConfigError(f"config key 'lora_targets' names {sorted(unknown)}; choose from {','.join(TARGETS)}")
 
 
 def read_config_file(path: str) -> dict:
@@ -545,9 +560,10 @@ def load_checkpoint(path: str) -> dict:
                               f"other checkpoints there: {others or 'none'}") from None
 
 
-def load_model_state(model, state_dict: dict, source: str):
-    """load_state_dict(strict=True), with an error that lists every missing, unexpected or reshaped key."""
-    own = model.state_dict()
+def load_model_state(model, state_dict: dict, source: str, adapters_only: bool = False):
+    """Every weight of the model (adapters_only: every LoRA adapter) from state_dict, strictly: an error lists
+    every missing, unexpected or reshaped key."""
+    own = adapter_state(model) if adapters_only else model.state_dict()
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     reshaped = [f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}"
@@ -555,13 +571,18 @@ def load_model_state(model, state_dict: dict, source: str):
     if missing or unexpected or reshaped:
         raise CheckpointError(f"weights in {source} do not fit this model: missing {missing}, unexpected "
                               f"{unexpected}, other shape {reshaped}")
-    model.load_state_dict(state_dict)
+    with torch.no_grad():
+        for k, v in state_dict.items():
+            own[k].copy_(v)  # state_dict() tensors share the parameters' storage
 
 
 def model_from_checkpoint(path: str, device="cpu", **overrides):
     """(Transformer with the checkpoint's architecture -- model_config updated by overrides such as flash or
-    dropout -- and its weights, loaded strictly; the checkpoint itself)."""
+    dropout -- and its weights, loaded strictly; the checkpoint itself). A LoRA checkpoint's adapters come
+    merged onto its base, so that every caller (sampling, evaluation, export, fine-tuning) takes it as it is."""
     state = load_checkpoint(path)
+    if "lora" in state:
+        return merge_lora(lora_model(state, path, **overrides)).to(device), state
     model = Transformer(ModelConfig(**{**state["model_config"], **overrides}))
     load_model_state(model, state["model"], path)
     return model.to(device), state
@@ -579,16 +600,43 @@ def checkpoint_tokenizer(state: dict, tokenizer_path: str | None = None):
     return tokenizer
 
 
+def lora_model(state: dict, path: str, **overrides):
+    """A LoRA checkpoint (state, read from path) as the model it trained, unmerged: its base checkpoint, which
+    must be the very file it was trained on (same digest), with the adapters on top."""
+    lora = state["lora"]
+    if not os.path.isfile(lora["base"]):
+        raise CheckpointError(f"{path} holds LoRA adapters for the base checkpoint {lora['base']}, which is not there")
+    if file_digest(lora["base"]) != lora["base_digest"]:
+        raise CheckpointError(f"{path} holds LoRA adapters trained on another {lora['base']} (digest "
+                              f"{lora['base_digest']}, that file's is now {file_digest(lora['base'])})")
+    model, _ = model_from_checkpoint(lora["base"], **overrides)
+    add_lora(model, lora["rank"], lora["alpha"], lora["dropout"], lora["targets"].split(","))
+    load_model_state(model, state["model"], path, adapters_only=True)
+    return model
+
+
+def lora_record(cfg) -> dict:
+    """What a LoRA checkpoint holds besides its adapters: the base it was trained on and the adapters' shape."""
+    return {"base": cfg.init_from, "base_digest": file_digest(cfg.init_from), "rank": cfg.lora_rank,
+            "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout, "targets": cfg.lora_targets}
+
+
 def finetune_model(cfg, run: Run) -> Transformer:
     """SFT and DPO: the init_from model (strictly: every key, every shape) with this run's switches (flash,
-    grad_checkpoint, dropout) and, with freeze_embeddings, its token embedding frozen. Sets cfg.tokenizer_path to
-    the checkpoint's tokenizer when it is None, and refuses another tokenizer."""
+    grad_checkpoint, dropout) and, with freeze_embeddings, its token embedding frozen; with lora_rank, all of it
+    frozen under fresh adapters. Sets cfg.tokenizer_path to the checkpoint's tokenizer when it is None, and refuses
+    another tokenizer."""
     model, state = model_from_checkpoint(cfg.init_from, run.device, flash=cfg.flash,
                                          grad_checkpoint=cfg.grad_checkpoint, dropout=cfg.dropout)
     if cfg.tokenizer_path is None:
         cfg.tokenizer_path = state.get("config", {}).get("tokenizer_path")
     checkpoint_tokenizer(state, cfg.tokenizer_path)
     model.tok_embeddings.weight.requires_grad_(not cfg.freeze_embeddings)
+    if cfg.lora_rank:  # everything frozen, adapters added
+        total = model.num_params()
+        add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets.split(","))
+        print0(f"LoRA rank {cfg.lora_rank} on {cfg.lora_targets}: {trainable_params(model):,} parameters train, "
+               f"{total:,} stay frozen")
     return model
 
 
@@ -609,10 +657,12 @@ def checkpoint_to_resume(cfg) -> str | None:
 
 class Checkpoints:
     """Everything a resume needs, in out_dir: full-precision weights, optimizer, GradScaler, data position, every
-    rank's RNG states, the configs and the loop's own state (step, guard, early stopping)."""
+    rank's RNG states, the configs and the loop's own state (step, guard, early stopping). A LoRA run (lora: its
+    lora_record) saves only the adapters and the record: a few MB."""
 
-    def __init__(self, cfg, model_cfg, stage: str, run: Run, model, optimizer, scaler, loader, guard, early):
-        self.cfg, self.model_cfg, self.stage, self.run = cfg, model_cfg, stage, run
+    def __init__(self, cfg, model_cfg, stage: str, run: Run, model, optimizer, scaler, loader, guard, early,
+                 lora: dict | None = None):
+        self.cfg, self.model_cfg, self.stage, self.run, self.lora = cfg, model_cfg, stage, run, lora
         tokenizer = load_tokenizer(cfg.tokenizer_path)  # recorded: sampling, serving and export use the same
         self.tokenizer = {"path": cfg.tokenizer_path, "fingerprint": tokenizer.fingerprint,
                           "chat_template": tokenizer.chat_template}
@@ -625,6 +675,8 @@ class Checkpoints:
         state = {key: part.state_dict() for key, part in self.parts.items()}
         state |= {"step": step, "stage": self.stage, "config": dataclasses.asdict(self.cfg), "tokenizer": self.tokenizer,
                   "model_config": dataclasses.asdict(self.model_cfg), "rng": gather_rng_states(self.run)}
+        if self.lora:
+            state |= {"model": adapter_state(self.parts["model"]), "lora": self.lora}
         if self.run.ddp:  # DDP keeps replicas identical; prove it rather than checkpoint one of many
             state["rank_weight_diff"] = rank_weight_diff(self.parts["model"], self.run)
             if state["rank_weight_diff"] > 0:
@@ -643,7 +695,14 @@ class Checkpoints:
         if path is None:
             return 0
         state = load_checkpoint(path)
-        load_model_state(self.parts["model"], state["model"], path)
+        if bool(self.lora) != ("lora" in state):
+            raise CheckpointError(f"{path} is {'a LoRA' if 'lora' in state else 'a full'} checkpoint but this run is "
+                                  f"{'LoRA' if self.lora else 'full'} fine-tuning: keep its lora_rank")
+        if self.lora and state["lora"]["base_digest"] != self.lora["base_digest"]:
+            raise CheckpointError(f"{path} trained its adapters on another {state['lora']['base']} than this "
+                                  f"run's {self.lora['base']} (digest {state['lora']['base_digest']} vs "
+                                  f"{self.lora['base_digest']})")
+        load_model_state(self.parts["model"], state["model"], path, adapters_only=bool(self.lora))
         for key, part in self.parts.items():
             if key != "model":
                 part.load_state_dict(state[key])
@@ -683,13 +742,15 @@ class EarlyStopping:
 
 
 def prepare_training(cfg, model_cfg, stage: str, run: Run, model, loader, early):
-    """(optimizer, scaler, guard, checkpoints) for a built model: AdamW, the GradScaler (enabled for float16 only:
-    bfloat16 has float32's range), the non-finite guard, and the checkpoints that save them all."""
+    """(optimizer, scaler, guard, checkpoints) for a built model: AdamW (over the trainable parameters: a LoRA
+    model's adapters), the GradScaler (enabled for float16 only: bfloat16 has float32's range), the non-finite
+    guard, and the checkpoints that save them all."""
     seed_rank(cfg.seed, run)
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type)
     scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")
     guard = NonFiniteGuard(model, cfg.max_bad_steps, run.device)
-    checkpoints = Checkpoints(cfg, model_cfg, stage, run, model, optimizer, scaler, loader, guard, early)
+    lora = lora_record(cfg) if lora_layers(model) else None
+    checkpoints = Checkpoints(cfg, model_cfg, stage, run, model, optimizer, scaler, loader, guard, early, lora)
     return optimizer, scaler, guard, checkpoints
 
 

@@ -149,3 +149,23 @@ def test_serve_mode_times_one_client_then_several_together():
     (row,) = result["rows"]
     assert row["clients"] == 3 and row["tokens_per_s_alone"] > 0
     assert row["ratio"] == pytest.approx(row["tokens_per_s_together"] / row["tokens_per_s_alone"])
+
+
+def test_lora_mode_counts_trainable_parameters_and_sets_up_all_five_runs(monkeypatch, capsys):
+    # the five runs are run_stage's (tested above through the real scripts); here: what each is given
+    given = []
+    monkeypatch.setattr(bench, "run_stage", lambda b, flags, tmp, *_: given.append((b.mode, flags, tmp)) or [
+        {"tokens_per_s": 1.0, "tokens_per_s_median": 1.0, "ms_per_step": 1.0, "mem_gb": 1.0}])
+    rows = bench.main(["--mode=lora", *TINY, "--batch_size=4", "--lora_rank=2"])["rows"]
+    assert [row["run"] for row in rows] == ["sft full", "sft LoRA", "dpo full, reference model",
+                                            "dpo LoRA, reference model", "dpo LoRA, adapters-off reference"]
+    # TINY_MODEL: dim 32, 2 layers, kv dim 16, ffn 128; rank 2 on wq, wo (32 -> 32), wk, wv (32 -> 16),
+    # w1, w3 (32 -> 128), w2 (128 -> 32): 2 * (2 * 64 + 2 * 48 + 3 * 160) per layer, x 2 layers
+    assert [row["trainable_params"] for row in rows[1:2] + rows[3:]] == [2 * 2 * (2 * 64 + 2 * 48 + 3 * 160)] * 3
+    assert rows[0]["trainable_params"] == rows[2]["trainable_params"] == Transformer(
+        bench.resolve("sft", TINY)[1]).num_params()
+    assert [mode for mode, _, _ in given] == ["sft", "sft", "dpo", "dpo", "dpo"]
+    assert ["--lora_rank=2" in flags for _, flags, _ in given] == [False, True, False, True, True]
+    assert all(flags[len(given[0][1])] == "--batch_size=2" for _, flags, _ in given[2:])  # pairs: 4 sequences
+    (ref,) = [f for _, flags, _ in given for f in flags if f.startswith("--ref_from=")]  # the 4th run's only
+    assert ref == f"--ref_from={given[3][2]}/init.pt" and ref in given[3][1]

@@ -1,0 +1,168 @@
+"""
+LoRA: a fresh adapter is the base model exactly; training moves the adapters and nothing else; a LoRA checkpoint
+holds only adapters, loads merged onto its (digest-checked) base with the unmerged model's logits, resumes exactly;
+DPO's adapters-off reference is the base model.
+"""
+import copy
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import convert
+import train_dpo
+import train_sft
+from conftest import TINY_RUN, final_weights, read_metrics, train_losses
+from data import DPOData, Loader, tokenize_file
+from lora import adapter_state, adapters_off, add_lora, lora_layers
+from model import ModelConfig, Transformer
+from tokenizer import load_tokenizer
+from train_utils import (CheckpointError, ConfigError, finetune_model, load_checkpoint, load_config, lora_model,
+                         model_from_checkpoint, setup)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LORA = ["--lora_rank=4", "--lora_alpha=8"]
+
+
+def lora_sft(base, demo_dir, out_dir, *flags):
+    train_sft.main([f"--init_from={base}", f"--data_path={demo_dir}/sft.jsonl", f"--out_dir={out_dir}", *TINY_RUN,
+                    "--batch_size=8", "--lr=1e-2", "--max_seq_len=64", *LORA, *flags])
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_pretrained, demo_dir, tmp_path_factory):
+    """A copy of the tiny pretrained model, and LoRA adapters trained on it for 6 steps (checkpoint at step 6)."""
+    tmp = tmp_path_factory.mktemp("lora")
+    base = tmp / "base.pt"
+    shutil.copy(tiny_pretrained, base)
+    lora_sft(base, demo_dir, tmp / "run", "--max_steps=6", "--eval_interval=6")
+    return base, tmp / "run" / "step_0000006.pt"
+
+
+def tokens(n=2, T=24):
+    return torch.randint(6400, (n, T), generator=torch.Generator().manual_seed(0))
+
+
+def test_a_fresh_adapter_is_exactly_the_base_model():
+    base = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32))
+    adapted = add_lora(copy.deepcopy(base), rank=4, alpha=8.0, dropout=0.0)
+    X = tokens()
+    assert len(lora_layers(adapted)) == 2 * 7
+    assert torch.equal(adapted(X, X)[0], base(X, X)[0])  # B = 0: not close, equal
+    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert trainable == set(adapter_state(adapted)) and all(n.endswith((".lora_a", ".lora_b")) for n in trainable)
+
+
+def test_training_steps_change_the_adapters_and_nothing_else(tiny_pretrained):
+    # weight decay on: a frozen weight that reached the optimizer would move even without a gradient
+    (cfg,) = load_config([f"--init_from={tiny_pretrained}", *LORA, "--weight_decay=0.1", "--dropout=0.1"],
+                         train_sft.Config)
+    model = finetune_model(cfg, setup("cpu", "float32", 0))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
+    X = tokens()
+    for _ in range(2):  # step 1 moves B only (A's gradient is B^T ... = 0); step 2 moves A too
+        model(X, X)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed == set(adapter_state(model))
+
+
+def test_a_lora_checkpoint_holds_adapters_and_loads_merged_with_the_unmerged_logits(trained):
+    base, ckpt = trained
+    state = load_checkpoint(str(ckpt))
+    assert set(state["model"]) == set(adapter_state(lora_model(state, str(ckpt))))
+    assert state["lora"]["base"] == str(base) and os.path.getsize(ckpt) < os.path.getsize(base) / 4
+    unmerged, (merged, _), (plain, _) = lora_model(state, str(ckpt)), model_from_checkpoint(str(ckpt)), \
+        model_from_checkpoint(str(base))
+    assert not lora_layers(merged) and isinstance(merged.layers[0].attention.wq, torch.nn.Linear)
+    X = tokens()
+    logits = unmerged.eval()(X, X)[0]
+    assert torch.allclose(merged.eval()(X, X)[0], logits, atol=1e-5)
+    assert (plain.eval()(X, X)[0] - logits).abs().max() > 1e-2  # the adapters did learn something
+    with adapters_off(unmerged):
+        assert torch.equal(unmerged(X, X)[0], plain(X, X)[0])
+
+
+def test_convert_merge_writes_a_full_checkpoint_with_the_same_logits(trained, tmp_path):
+    base, ckpt = trained
+    out = tmp_path / "merged.pt"
+    convert.main(["merge", str(ckpt), str(out)])
+    state = load_checkpoint(str(out))
+    assert "lora" not in state and state["stage"] == "sft"
+    X = tokens()
+    merged, _ = model_from_checkpoint(str(out))
+    assert torch.equal(merged(X, X)[0], model_from_checkpoint(str(ckpt))[0](X, X)[0])
+    with pytest.raises(ConfigError, match="merged.pt already exists"):  # nothing already written is overwritten
+        convert.main(["merge", str(ckpt), str(out)])
+
+
+def test_a_changed_base_checkpoint_is_a_one_line_error(trained, tmp_path):
+    base, ckpt = trained
+    moved = tmp_path / "lora.pt"
+    state = load_checkpoint(str(ckpt))
+    other = tmp_path / "other_base.pt"
+    weights = load_checkpoint(str(base))
+    weights["model"]["norm.weight"] += 1e-3
+    torch.save(weights, other)
+    state["lora"]["base"] = str(other)
+    torch.save(state, moved)
+    with pytest.raises(CheckpointError, match=r"lora\.pt holds LoRA adapters trained on another .*other_base\.pt"):
+        model_from_checkpoint(str(moved))
+    done = subprocess.run([sys.executable, "sample.py", "--ckpt", str(moved), "--prompt", "hi"], cwd=REPO,
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")
+    assert "digest" in done.stderr
+
+
+def test_lora_sft_resumes_exactly(tiny_pretrained, demo_dir, tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    flags = ["--max_steps=8", "--save_interval=4", "--keep_checkpoints=10", "--eval_interval=4", "--lora_dropout=0.1"]
+    lora_sft(tiny_pretrained, demo_dir, full, *flags)
+    os.makedirs(resumed)
+    shutil.copy(full / "step_0000004.pt", resumed)
+    lora_sft(tiny_pretrained, demo_dir, resumed, *flags, "--resume=True")
+    a, b = train_losses(full), train_losses(resumed)
+    assert set(b) == set(range(5, 9)) and all(a[s] == b[s] for s in b)
+    wa, wb = final_weights(full, 8), final_weights(resumed, 8)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    with pytest.raises(CheckpointError, match="LoRA checkpoint but this run is full"):  # lora_rank dropped
+        train_sft.main([f"--init_from={tiny_pretrained}", f"--data_path={demo_dir}/sft.jsonl", f"--out_dir={resumed}",
+                        *TINY_RUN, "--batch_size=8", "--max_seq_len=64", *flags, "--resume=True"])
+
+
+def test_unknown_lora_targets_are_a_config_error():
+    with pytest.raises(ConfigError, match="lora_targets.*'wz'"):
+        load_config(["--lora_rank=4", "--lora_targets=wq,wz"], train_sft.Config)
+
+
+def test_the_adapters_off_reference_is_the_base_model(tiny_sft, demo_dir):
+    tok = load_tokenizer()
+    pairs = DPOData(tokenize_file(f"{demo_dir}/dpo.jsonl", tok, "dpo", max_prompt_length=32,
+                                  max_completion_length=32, verbose=False))
+    X, Y, M, idx = next(iter(Loader(pairs, 8, tok.pad_id).batches(1)))
+    base, _ = model_from_checkpoint(str(tiny_sft), dropout=0.1)
+    policy = add_lora(copy.deepcopy(base), rank=4, alpha=8.0, dropout=0.1)
+    for layer in lora_layers(policy):  # trained-looking adapters, and the policy in train mode (dropout on)
+        torch.nn.init.normal_(layer.lora_b, std=0.1)
+    reference = train_dpo.Reference(policy, None, length_norm=False, adapters_off=True)
+    expected = train_dpo.sequence_logprobs(base.eval(), X, Y, M, length_norm=False).chunk(2)
+    got = reference.logprobs(X, Y, M, idx, "train")
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert policy.training and all(layer.enabled for layer in lora_layers(policy))  # switched back on
+
+
+def test_lora_dpo_starts_at_ln2_with_no_second_model(tiny_sft, demo_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(train_dpo, "load_frozen", None)  # a separate reference model would fail to load
+    train_dpo.main([f"--init_from={tiny_sft}", f"--data_path={demo_dir}/dpo.jsonl", f"--out_dir={tmp_path}", *TINY_RUN,
+                    "--batch_size=8", "--lr=3e-3", "--warmup_steps=0", "--max_prompt_length=32",
+                    "--max_completion_length=32", "--eval_steps=2", "--max_steps=8", "--eval_interval=8", *LORA])
+    rows = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and rows[0]["reward_margin"] == 0.0
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert "lora" in load_checkpoint(str(tmp_path / "step_0000008.pt"))
