@@ -190,6 +190,7 @@ def run_stage(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_o
     script = SCRIPTS[mode]
     args = [f for f in flags if key(f) in keys(script.Config)] if mode != "train" else flags
     if "data_path" not in given:
+        synth.rng.seed(cfg.seed)  # every variant or run of one mode trains on the same conversations (lengths)
         for split, n in (("train", n_items), ("val", cfg.batch_size)):
             prepare_demo.write_jsonl(f"{tmp}/{split}.jsonl", synth.stage_data(mode, cfg, model_cfg, n))
         args += [f"--data_path={tmp}/train.jsonl", f"--val_data_path={tmp}/val.jsonl"]
