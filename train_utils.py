@@ -691,7 +691,8 @@ class Checkpoints:
                 os.remove(old)
 
     def resume(self, path: str | None) -> int:
-        """Load the checkpoint at path into every part and the RNGs; the step to continue from (0: fresh)."""
+        """Load the checkpoint at path into every part and the RNGs; the step to continue from (0: fresh). The RNGs
+        continue the interrupted run's streams: nothing but training may draw from them after this."""
         if path is None:
             return 0
         state = load_checkpoint(path)
@@ -797,11 +798,12 @@ def peak_memory_gb(device: torch.device) -> float:
 def measure_peak_flops(device: torch.device, dtype: str, n: int = 2048, repeats: int = 10) -> float:
     """FLOP/s of a large square matmul in dtype on device: the attainable peak MFU is measured against. The size
     doubles from 256 up to n while the next size's measurement would take under 2 s (float16 on most CPUs runs
-    at a few GFLOP/s, and finding that out should take seconds, not minutes)."""
+    at a few GFLOP/s, and finding that out should take seconds, not minutes). Its random matrices come from a
+    generator of its own: it draws a timing-dependent number of them, which must not shift training's RNG."""
+    generator = torch.Generator(device).manual_seed(0)
 
     def rate(size: int, calls: int) -> float:
-        a = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
-        b = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
+        a, b = (torch.randn(size, size, device=device, dtype=getattr(torch, dtype), generator=generator) for _ in "ab")
         a @ b  # warm-up: first-call allocations and kernel choice
         synchronize(device)
         t0 = time.perf_counter()

@@ -17,10 +17,11 @@ import train_dpo
 import train_pretrain
 import train_sft
 from conftest import TINY_MODEL, TINY_RUN, final_weights, read_metrics, train_losses
-from train_utils import load_checkpoint
+from train_utils import load_checkpoint, measure_peak_flops
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"pretrain": train_pretrain, "sft": train_sft, "dpo": train_dpo}
+DEFAULT_PEAK = [flag for flag in TINY_RUN if not flag.startswith("--peak_flops")]  # measured, as users run it
 WALL_CLOCK = ("tokens_per_s", "mfu", "mem_gb", "elapsed_s", "eta_s")  # with frac_*: differ between any two runs
 
 
@@ -46,7 +47,7 @@ def stage_flags(stage: str, request, tmp_path) -> list[str]:
     lines = (request.getfixturevalue("demo_dir") / f"{stage}.jsonl").read_text(encoding="utf-8").splitlines(True)
     data = tmp_path / f"{stage}.jsonl"
     data.write_text("".join(lines[: 40 if stage == "pretrain" else 60]), encoding="utf-8")
-    common = [f"--data_path={data}", *TINY_RUN, "--val_fraction=0.2", "--dropout=0.1", "--eval_interval=4"]
+    common = [f"--data_path={data}", *DEFAULT_PEAK, "--val_fraction=0.2", "--dropout=0.1", "--eval_interval=4"]
     if stage == "pretrain":
         return [*common, *TINY_MODEL, "--batch_size=16", "--lr=3e-3", "--warmup_steps=3"]
     finetune = [*common, "--batch_size=8", "--early_stopping_patience=1000"]
@@ -98,6 +99,12 @@ def run_until_sigterm(stage: str, argv: list[str], out_dir, after_step: int, log
     if not stopped:
         pytest.fail("the run finished before SIGTERM reached it: make it longer")
     return int(stopped[0].split()[3].rstrip(";"))
+
+
+def test_measuring_the_peak_flops_draws_nothing_from_the_global_generators():
+    before = torch.get_rng_state()
+    assert measure_peak_flops(torch.device("cpu"), "float32", n=512) > 0
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 # --- stopped by SIGTERM, resumed in the same out_dir ----------------------------------------------
