@@ -15,7 +15,7 @@ import torch
 
 from data import encode_chat
 from model import Transformer
-from train_utils import checkpoint_tokenizer, cli, model_from_checkpoint
+from train_utils import ConfigError, checkpoint_tokenizer, cli, model_from_checkpoint
 
 
 def load_model(path: str, device: str = "cpu") -> tuple[Transformer, dict]:
@@ -33,14 +33,26 @@ def prompt_ids(tokenizer, history: list[dict], user: str, system: str | None, ma
     return ids
 
 
+def prompt_budget(max_seq_len: int, max_new_tokens: int | None) -> int:
+    """How many ids the prompt may keep: what --max_new_tokens leaves of the context, or by default half of it
+    (the answer then gets all the prompt leaves, so a default fits any model)."""
+    if max_new_tokens is None:
+        return max(max_seq_len // 2, 1)
+    if not 0 < max_new_tokens < max_seq_len:
+        raise ConfigError(f"--max_new_tokens must be between 1 and the model's max_seq_len - 1 ({max_seq_len - 1}): "
+                          f"got {max_new_tokens}; leave it out to answer up to the end of the context")
+    return max_seq_len - max_new_tokens
+
+
 def respond(model, tokenizer, ids: list[int], args, out=None) -> str:
     """Generate an answer to ids, streaming its text to out (if given); returns the text without the template's
     surrounding spaces. Ctrl-C stops the answer early."""
     device = next(model.parameters()).device
+    max_new_tokens = args.max_new_tokens or model.config.max_seq_len - len(ids)
     new: list[int] = []
     shown = ""
     try:
-        for token in model.stream(torch.tensor([ids], device=device), args.max_new_tokens, temperature=args.temperature,
+        for token in model.stream(torch.tensor([ids], device=device), max_new_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                                   eos_id=tokenizer.eos_id):
             if token.item() == tokenizer.eos_id:
@@ -62,7 +74,7 @@ def respond(model, tokenizer, ids: list[int], args, out=None) -> str:
 def chat_loop(model, tokenizer, args, chat: bool, read=input, out=sys.stdout) -> list[dict]:
     """Read a line, answer it, repeat; Ctrl-D or Ctrl-C at the prompt ends. Returns the conversation."""
     history: list[dict] = []
-    budget = model.config.max_seq_len - args.max_new_tokens
+    budget = prompt_budget(model.config.max_seq_len, args.max_new_tokens)
     while True:
         try:
             user = read("you> ").strip()
@@ -88,7 +100,8 @@ def parse_args(argv):
     p.add_argument("--top_k", type=int, default=None)
     p.add_argument("--top_p", type=float, default=0.9)
     p.add_argument("--repetition_penalty", type=float, default=1.0)
-    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--max_new_tokens", type=int, default=None,
+                   help="default: up to the end of the model's context (the prompt keeps at most half of it)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p.parse_args(argv)
@@ -100,10 +113,8 @@ def main(argv=None):
     model, state = load_model(args.ckpt, args.device)
     tokenizer = checkpoint_tokenizer(state, args.tokenizer_path)
     chat = state["stage"] != "pretrain"
-    if args.max_new_tokens >= model.config.max_seq_len:
-        sys.exit(f"--max_new_tokens must be below the model's max_seq_len ({model.config.max_seq_len})")
+    budget = prompt_budget(model.config.max_seq_len, args.max_new_tokens)
     if args.prompt is not None:
-        budget = model.config.max_seq_len - args.max_new_tokens
         respond(model, tokenizer, prompt_ids(tokenizer, [], args.prompt, args.system, budget, chat), args, sys.stdout)
         return
     mode = f"chat in the {tokenizer.chat_template} template" if chat else "plain continuation"

@@ -159,3 +159,24 @@ def test_the_console_line_is_short_and_in_human_units():
     assert console_line({**pretrain, "tokens_per_s": 950.4}, 650).split(" | ")[4] == "950 tok/s"
     evaluation = console_line({"step": 325, "val_loss": 2.1101, "val_ppl": 8.249}, 650)
     assert evaluation == "step 325/650 | val_loss 2.11 | val_ppl 8.249"
+
+
+# --- sample.py ------------------------------------------------------------------------------------
+
+def test_sample_defaults_fit_a_short_context_model_and_a_bad_max_new_tokens_is_an_error_line(tiny_sft, capsys,
+                                                                                              monkeypatch):
+    """The tiny SFT model's context is 64 ids: the defaults answer within it (the prompt keeps at most half);
+    an explicit --max_new_tokens that leaves no room for the prompt is one error line."""
+    import sample
+
+    max_seq_len = sample.load_model(str(tiny_sft))[0].config.max_seq_len
+    assert max_seq_len == 64
+    fed = []
+    respond = sample.respond
+    monkeypatch.setattr(sample, "respond", lambda model, tok, ids, args, out=None: fed.append(ids) or
+                        respond(model, tok, ids, args, out))
+    sample.main(["--ckpt", str(tiny_sft), "--prompt", "What is the capital of Kenya? " * 20])
+    assert 0 < len(fed[0]) <= max_seq_len // 2 and capsys.readouterr().out.strip()
+    result = run_script("sample.py", "--ckpt", str(tiny_sft), "--prompt", "hi", "--max_new_tokens", "64")
+    assert result.returncode == 2 and result.stderr.startswith("error: --max_new_tokens")
+    assert len(result.stderr.strip().splitlines()) == 1
