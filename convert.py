@@ -12,7 +12,7 @@ import reads a MiniMind *.pth state dict (MiniMind2; minimind-3 adds q_norm / k_
 MiniMindForCausalLM, and writes a nanomind checkpoint that train_sft.py --init_from and sample.py --ckpt take.
 The architecture comes from config.json and the tensor shapes; --key=value sets any ModelConfig key they cannot
 tell (n_heads of a model without qk_norm). --tokenizer DIR records the tokenizer the weights go with (a folder
-holding a tokenizer.json records itself).
+holding a tokenizer.json records itself); weights alone carry none, and import never guesses one.
 
 export writes a folder that transformers' AutoModelForCausalLM and AutoTokenizer load without remote code:
 config.json (LlamaForCausalLM, or Qwen3ForCausalLM with qk_norm), model.safetensors, generation_config.json,
@@ -253,15 +253,18 @@ def model_flags(args: list[str]) -> dict:
 def import_weights(src: Path, out: Path, tokenizer_dir: str | None, stage: str, flags: dict, force: bool):
     if out.exists() and not force:
         raise ConfigError(f"{out} exists: pass --force to overwrite it")
+    if tokenizer_dir is None and src.is_dir() and (src / "tokenizer.json").is_file():
+        tokenizer_dir = str(src)
+    if tokenizer_dir is None:  # weights carry no tokenizer, and a wrong one of the same size fails without a word
+        raise ConfigError(f"{src} holds no tokenizer.json: pass --tokenizer=DIR, the tokenizer the weights were "
+                          f"trained with (MiniMind's model/ folder; nanomind's own: --tokenizer={DEFAULT_DIR})")
     state, hf_config = read_source(src)
     cfg = infer_config(state, config_from_hf(hf_config, src / "config.json") if hf_config else {}, flags, src)
     model = Transformer(cfg)
     load_model_state(model, to_nanomind(state, cfg, src), str(src))  # strict: every key, every shape
-    if tokenizer_dir is None and src.is_dir() and (src / "tokenizer.json").is_file():
-        tokenizer_dir = str(src)
     tokenizer = load_tokenizer(tokenizer_dir)
     if tokenizer.vocab_size > cfg.vocab_size:
-        raise ConfigError(f"the tokenizer ({tokenizer_dir or DEFAULT_DIR}) has {tokenizer.vocab_size} ids, the "
+        raise ConfigError(f"the tokenizer ({tokenizer_dir}) has {tokenizer.vocab_size} ids, the "
                           f"model's embedding {cfg.vocab_size}: pass the tokenizer the weights were trained with")
     # the keys train_*.py write that sampling, fine-tuning and export read; stage "sft" by default: sample.py
     # chats with any stage but "pretrain", and MiniMind's released weights (full_sft_*.pth) are chat models
@@ -270,7 +273,7 @@ def import_weights(src: Path, out: Path, tokenizer_dir: str | None, stage: str, 
                  "tokenizer": {"path": tokenizer_dir, "fingerprint": tokenizer.fingerprint,
                                "chat_template": tokenizer.chat_template}}, str(out))
     print(f"{src} -> {out}: {model.num_params():,} parameters, {stage} stage, tokenizer "
-          f"{tokenizer_dir or 'shipped'} ({tokenizer.chat_template} chat template)")
+          f"{tokenizer_dir} ({tokenizer.chat_template} chat template)")
     print("model config: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))
 
 
@@ -447,7 +450,8 @@ def main(argv: list[str]):
     imp = sub.add_parser("import", help="a MiniMind *.pth or a transformers folder -> a nanomind checkpoint")
     imp.add_argument("src", type=Path)
     imp.add_argument("out", type=Path)
-    imp.add_argument("--tokenizer", help="the tokenizer directory the weights go with (MiniMind's model/)")
+    imp.add_argument("--tokenizer", help="the tokenizer directory the weights go with (MiniMind's model/); "
+                                         "required unless SRC is a folder holding a tokenizer.json")
     imp.add_argument("--stage", default="sft", choices=["pretrain", "sft", "dpo"],
                      help="sft (default) chats in sample.py; pretrain continues text")
     imp.add_argument("--force", action="store_true", help="overwrite OUT")

@@ -70,7 +70,7 @@ def reference(request):
 def test_imported_model_gives_the_reference_logits_and_continuation(reference, form, tmp_path):
     kind, ref = reference
     src, flags = save_source(ref, kind, form, tmp_path)
-    convert.main(["import", str(src), str(tmp_path / "imported.pt"), *flags])
+    convert.main(["import", str(src), str(tmp_path / "imported.pt"), *flags, f"--tokenizer={MINIMIND_TOKENIZER}"])
     ours, state = model_from_checkpoint(str(tmp_path / "imported.pt"))
     ours.eval()
     assert state["model_config"]["qk_norm"] == (kind == "minimind3")
@@ -90,7 +90,17 @@ def test_imported_model_gives_the_reference_logits_and_continuation(reference, f
 def test_a_pth_without_qk_norm_asks_for_n_heads(tmp_path):
     src, _ = save_source(reference_model("minimind2"), "minimind2", "pth", tmp_path)
     with pytest.raises(ConfigError, match="--n_heads"):
-        convert.main(["import", str(src), str(tmp_path / "imported.pt")])
+        convert.main(["import", str(src), str(tmp_path / "imported.pt"), f"--tokenizer={MINIMIND_TOKENIZER}"])
+    assert not (tmp_path / "imported.pt").exists()
+
+
+@pytest.mark.parametrize("form", ["pth", "safetensors"])
+def test_weights_without_a_tokenizer_are_refused_not_given_the_shipped_one(form, tmp_path):
+    """The shipped tokenizer has MiniMind's vocabulary size: recorded for MiniMind's weights it would load and
+    chat in the wrong tokens. A .pth, or a folder without tokenizer.json, needs --tokenizer."""
+    src, flags = save_source(reference_model("minimind3"), "minimind3", form, tmp_path)
+    with pytest.raises(ConfigError, match="holds no tokenizer.json: pass --tokenizer=DIR"):
+        convert.main(["import", str(src), str(tmp_path / "imported.pt"), *flags])
     assert not (tmp_path / "imported.pt").exists()
 
 
@@ -100,7 +110,8 @@ def test_every_weight_without_a_place_is_named(tmp_path):
     state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(1)
     torch.save(state, tmp_path / "moe.pth")
     with pytest.raises(CheckpointError) as e:
-        convert.main(["import", str(tmp_path / "moe.pth"), str(tmp_path / "imported.pt")])
+        convert.main(["import", str(tmp_path / "moe.pth"), str(tmp_path / "imported.pt"),
+                      f"--tokenizer={MINIMIND_TOKENIZER}"])
     assert "model.layers.1.mlp.experts.0.gate_proj.weight" in str(e.value)
     assert "model.layers.0.self_attn.q_proj.bias" in str(e.value)
 
@@ -111,7 +122,7 @@ def test_unsupported_config_and_existing_output_are_refused(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"hidden_act": "gelu", "attention_bias": True}))
     with pytest.raises(ConfigError, match="hidden_act='gelu', attention_bias=True"):
-        convert.main(["import", str(folder), str(tmp_path / "out.pt")])
+        convert.main(["import", str(folder), str(tmp_path / "out.pt"), f"--tokenizer={MINIMIND_TOKENIZER}"])
     (tmp_path / "out.pt").write_bytes(b"keep me")
     with pytest.raises(ConfigError, match="--force"):
         convert.main(["import", str(folder), str(tmp_path / "out.pt")])
