@@ -38,21 +38,35 @@ from train_utils import ConfigError, checkpoint_tokenizer, cli
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MAX_WAITING = 64  # requests queued for a row beyond this get 503: a client should back off rather than time out
+MAX_STOP_CHARS = 500  # each stop string is matched against the answer's end at every token
+MIN_TEMPERATURE = 1e-5  # below it logits / temperature can overflow float32 (inf - inf = nan): sampled greedily
 
 
 class APIError(Exception):
     """An error response in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error", 500: "server_error"}
+    TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param, self.code, self.headers = status, param, code, headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.TYPES[self.status], "param": self.param,
-                          "code": self.code}}
+        kind = self.TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+
+class OutOfRange:
+    """A JSON integer beyond 64 bits: no field takes one, and Python would parse a long one in quadratic time."""
+
+    def __init__(self, digits: str):
+        self.digits = digits
+
+
+def parse_int(digits: str):
+    value = int(digits) if len(digits) <= 21 else None
+    return value if value is not None and -2**63 <= value < 2**64 else OutOfRange(digits)
 
 
 # -----------------------------------------------------------------------------
@@ -72,12 +86,15 @@ def get(body: dict, name: str, kind, default=None):
     value = body.get(name)
     if value is None:
         return default
+    if isinstance(value, OutOfRange):
+        raise APIError(400, f"'{name}' is out of range (a number of {len(value.digits)} digits)", name, "out_of_range")
     ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         ok, value = True, float(value)
     if not ok:
         kinds = " or ".join(KINDS[k] for k in (kind if isinstance(kind, tuple) else (kind,)))
-        raise APIError(400, f"'{name}' must be {kinds}, got {json.dumps(value)[:40]}", name, "invalid_type")
+        shown = KINDS[type(value)] if isinstance(value, (list, dict)) else json.dumps(value)[:40]  # not a deep dump
+        raise APIError(400, f"'{name}' must be {kinds}, got {shown}", name, "invalid_type")
     return value
 
 
@@ -100,10 +117,12 @@ def sampling_options(body: dict, endpoint: str, model_id: str) -> dict:
         raise APIError(400, f"'temperature' must be between 0 and 2, got {temperature}", "temperature")
     if not 0 < top_p <= 1:
         raise APIError(400, f"'top_p' must be in (0, 1], got {top_p}", "top_p")
+    temperature = 0.0 if temperature < MIN_TEMPERATURE else temperature
     stop = get(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, "'stop' must be a non-empty string or a list of at most 4 of them", "stop")
+    if len(stop) > 4 or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"'stop' must be a string of 1 to {MAX_STOP_CHARS} characters or a list of at most 4 "
+                            "of them", "stop")
     seed = get(body, "seed", int, secrets.randbits(63))
     stream_options = get(body, "stream_options", dict, {})
     return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "stop": stop,
@@ -140,6 +159,7 @@ class TextStream:
 
     def __init__(self, tokenizer, stop: list[str], strip: bool):
         self.tokenizer, self.stop, self.strip = tokenizer, stop, strip
+        self.borders = [borders(s) for s in stop]
         self.ids: list[int] = []
         self.sent = ""
         self.stopped = False
@@ -158,7 +178,7 @@ class TextStream:
         if text.endswith("\ufffd") and self.waited < 4:  # a cut character: its other (at most 3) bytes come next
             return ""
         self.waited = 0
-        held = max([k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])], default=0)
+        held = max([overlap(text, s, b) for s, b in zip(self.stop, self.borders)], default=0)
         if self.strip:
             held = max(held, len(text) - len(text.rstrip(" ")))
         return self.send(text[: len(text) - held])
@@ -172,6 +192,28 @@ class TextStream:
         new = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent += new
         return new
+
+
+def borders(s: str) -> list[int]:
+    """KMP's table: borders[i] = the length of the longest proper prefix of s[: i + 1] that also ends it."""
+    table, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        k += s[i] == s[k]
+        table[i] = k
+    return table
+
+
+def overlap(text: str, stop: str, table: list[int]) -> int:
+    """The length of the longest proper prefix of stop that text ends with: KMP over text's last len(stop) - 1
+    characters, so linear in len(stop) where trying every prefix would be quadratic."""
+    k = 0
+    for c in text[max(0, len(text) - len(stop) + 1):]:
+        while k and c != stop[k]:
+            k = table[k - 1]
+        k += c == stop[k]
+    return k
 
 
 class Job:
@@ -194,6 +236,10 @@ class Job:
     def cached(self) -> int:
         """Positions held in the KV cache: the prompt and every generated token but the last (not yet fed)."""
         return len(self.prompt) + len(self.generated) - 1
+
+    def fail(self):
+        self.finish_reason = "error"
+        self.events.put(("", "error"))
 
     def take(self, token: int, eos_id: int):
         """Record the next token and tell the client what it adds."""
@@ -241,7 +287,7 @@ class Engine:
             except Exception:  # a bug: fail the jobs in flight, keep serving the next ones
                 traceback.print_exc()
                 for job in self.rows:
-                    job.events.put(("", "error"))
+                    job.fail()
                 self.rows = []
 
     def step(self):
@@ -260,7 +306,7 @@ class Engine:
         caches = [cache.prefix(max(positions) + 1) for cache in self.caches]  # keys up to the longest row only
         logits, _ = self.model(tokens, caches=caches, start_pos=torch.tensor(positions, device=self.device))
         for job, row_logits in zip(self.rows, logits[:, -1]):
-            job.take(self.pick(job, row_logits), self.eos_id)
+            self.advance(job, row_logits)
         self.generated += len(self.rows)
         self.drop_done()
 
@@ -271,12 +317,18 @@ class Engine:
         for cache, own in zip(self.caches, alone):
             cache.copy_row(len(self.rows), own, 0, n)
         self.rows.append(job)
-        job.take(self.pick(job, logits[0, -1]), self.eos_id)
+        self.advance(job, logits[0, -1])
         self.generated += 1
 
-    def pick(self, job: Job, logits) -> int:
-        # history None: no repetition penalty, which is the only reader of the ids so far
-        return sample_next(logits[None], None, job.temperature, None, job.top_p, 1.0, job.generator).item()
+    def advance(self, job: Job, logits):
+        """Sample the job's next token and hand it over; a failure here fails this row alone."""
+        try:
+            # history None: no repetition penalty, which is the only reader of the ids so far
+            token = sample_next(logits[None], None, job.temperature, None, job.top_p, 1.0, job.generator).item()
+            job.take(token, self.eos_id)
+        except Exception:
+            traceback.print_exc()
+            job.fail()
 
     def drop_done(self):
         for i in reversed(range(len(self.rows))):  # rows after i are live by now: the last may move into i
@@ -367,6 +419,9 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json(e.status, e.body())
         except OSError:  # the client went away while we wrote to it
             pass
+        except Exception:  # a bug: the client still gets an answer, the log the traceback
+            traceback.print_exc()
+            self.send_json(500, APIError(500, "internal error; the server's log has the traceback").body())
 
     def read_body(self) -> bytes:
         try:
@@ -391,8 +446,10 @@ class Handler(BaseHTTPRequestHandler):
     @staticmethod
     def parse(raw: bytes) -> dict:
         try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            body = json.loads(raw, parse_int=parse_int)
+        except RecursionError:
+            raise APIError(400, "the body is not valid JSON: nested too deeply", code="invalid_json") from None
+        except ValueError as e:  # not UTF-8, not JSON
             raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object", code="invalid_json")

@@ -186,6 +186,13 @@ BAD = [  # (body, status, param or code the error names)
     ({**CHAT, "stop": 5}, 400, "stop"),
     ({**CHAT, "stream_options": []}, 400, "stream_options"),
     ({**CHAT, "seed": 1.5}, 400, "seed"),
+    ({**CHAT, "seed": 10**30}, 400, "seed"),
+    ({**CHAT, "seed": 2**64}, 400, "seed"),
+    ({**CHAT, "temperature": 10**400}, 400, "temperature"),
+    ({**CHAT, "top_p": -10**400}, 400, "top_p"),
+    (json.dumps(CHAT)[:-1].encode() + b', "max_tokens": ' + b"9" * 5000 + b"}", 400, "max_tokens"),  # > 4,300 digits
+    (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "invalid_json"),  # nested beyond recursion
+    ({**CHAT, "stop": ["x" * 250_000] * 4}, 400, "stop"),
     ({**CHAT, "n": 2}, 400, "n"),
     ({**CHAT, "frequency_penalty": 1}, 400, "frequency_penalty"),
     ({**CHAT, "messages": [{"role": "user", "content": "Kenya " * 200}]}, 400, "context_length_exceeded"),
