@@ -155,8 +155,8 @@ def test_the_same_seed_samples_the_same_answer(client):
 
 def raw(url, path, body: bytes | None = None, headers=None, method=None):
     """(status, parsed JSON body) of one request, whatever the status."""
-    request = urllib.request.Request(url + path, body, {"Authorization": f"Bearer {KEY}", **(headers or {})},
-                                     method=method)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})}
+    request = urllib.request.Request(url + path, body, headers, method=method)
     try:
         with urllib.request.urlopen(request) as r:
             return r.status, json.loads(r.read())
@@ -218,7 +218,7 @@ def test_keys_paths_and_body_size(server, client):
     status, body = raw(server, "/v1/chat/completions", b" " * (1024 * 1024 + 1))
     assert status == 413 and body["error"]["code"] == "body_too_large"
     assert raw(server, "/health", headers={"Authorization": ""})[1]["status"] == "ok"  # no key needed
-    assert client.models.list().data[0].id.endswith("best.pt")
+    assert client.models.list().data[0].id == "nanomind-sft"
 
 
 def test_another_host_than_loopback_is_warned_about(tiny_sft):
@@ -271,7 +271,7 @@ def test_a_client_that_goes_away_stops_its_generation(long_server, stream):
     host, port = long_server[len("http://"):].split(":")
     body = json.dumps({"prompt": "The capital of", "stream": stream, "temperature": 0}).encode()
     sock = socket.create_connection((host, int(port)))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     if stream:
         assert sock.recv(100).startswith(b"HTTP/1.0 200")
@@ -358,7 +358,7 @@ def test_a_chatml_checkpoint_is_served_in_its_own_template(tmp_path):
     proc, url, _ = start_server(ckpt)
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        answer = client.chat.completions.create(model=str(ckpt), messages=messages, temperature=0, max_tokens=12)
+        answer = client.chat.completions.create(model="nanomind-sft", messages=messages, temperature=0, max_tokens=12)
     finally:
         proc.terminate()
         proc.wait()
