@@ -66,6 +66,7 @@ class OutOfRange:
 
 
 def parse_int(digits: str):
+    """json.loads's integer parser: an integer no field could take becomes an OutOfRange, for get() to name."""
     value = int(digits) if len(digits) <= 21 else None
     return value if value is not None and -2**63 <= value < 2**64 else OutOfRange(digits)
 

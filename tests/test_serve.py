@@ -190,8 +190,10 @@ BAD = [  # (body, status, param or code the error names)
     ({**CHAT, "seed": 2**64}, 400, "seed"),
     ({**CHAT, "temperature": 10**400}, 400, "temperature"),
     ({**CHAT, "top_p": -10**400}, 400, "top_p"),
-    (json.dumps(CHAT)[:-1].encode() + b', "max_tokens": ' + b"9" * 5000 + b"}", 400, "max_tokens"),  # > 4,300 digits
-    (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "invalid_json"),  # nested beyond recursion
+    pytest.param(json.dumps(CHAT)[:-1].encode() + b', "max_tokens": ' + b"9" * 5000 + b"}", 400, "max_tokens",
+                 id="max_tokens-of-5000-digits"),  # beyond Python's 4,300-digit int conversion limit
+    pytest.param(b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "invalid_json",
+                 id="nested-100000-deep"),  # beyond the parser's recursion limit
     ({**CHAT, "stop": ["x" * 250_000] * 4}, 400, "stop"),
     ({**CHAT, "n": 2}, 400, "n"),
     ({**CHAT, "frequency_penalty": 1}, 400, "frequency_penalty"),

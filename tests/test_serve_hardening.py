@@ -263,7 +263,7 @@ def test_head_gets_the_headers_alone(port):
     (b"GET / HTTP/1.1\r\n" + b"X-A: b\r\n" * 150 + b"\r\n", 431),
     (b"GET / HTTP/1.1\r\nX-A: " + b"b" * 70_000 + b"\r\n\r\n", 431),
     (b"NONSENSE\r\n\r\n", 400),
-    (b"GET / HTTP/9.0\r\n\r\n", 505)])
+    (b"GET / HTTP/9.0\r\n\r\n", 505)], ids=["long-url", "many-headers", "long-header", "no-version", "http-9"])
 def test_a_malformed_request_gets_a_json_error(port, data, status):
     got, headers, body = exchange(port, data)
     assert got == status and error(got, headers, body)
