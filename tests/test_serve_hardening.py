@@ -3,7 +3,9 @@ socket, so the test sees exactly what the server sends (or that it sends nothing
 import json
 import os
 import select
+import shutil
 import socket
+import subprocess
 import threading
 import time
 
@@ -234,6 +236,12 @@ def test_connections_are_bounded_and_the_excess_gets_503(served, port):
             break
         time.sleep(0.2)
     assert status == 200
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="no ss (iproute2) to read the listen backlog")
+def test_the_listen_backlog_holds_clients_arriving_together(port):
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+    assert int(out.split()[2]) >= 128  # a listening socket's Send-Q is its backlog (http.server's default: 5)
 
 
 # -----------------------------------------------------------------------------
