@@ -16,6 +16,7 @@ away, while the others go on. HTTP threads only parse, validate and write what t
 import argparse
 import hmac
 import json
+import math
 import os
 import queue
 import secrets
@@ -38,21 +39,36 @@ from train_utils import ConfigError, checkpoint_tokenizer, cli
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MAX_WAITING = 64  # requests queued for a row beyond this get 503: a client should back off rather than time out
+MAX_STOP_CHARS = 500  # each stop string is matched against the answer's end at every token
+MIN_TEMPERATURE = 1e-5  # below it logits / temperature can overflow float32 (inf - inf = nan): sampled greedily
 
 
 class APIError(Exception):
     """An error response in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error", 500: "server_error"}
+    TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param, self.code, self.headers = status, param, code, headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.TYPES[self.status], "param": self.param,
-                          "code": self.code}}
+        kind = self.TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+
+class OutOfRange:
+    """A JSON integer beyond 64 bits: no field takes one, and Python would parse a long one in quadratic time."""
+
+    def __init__(self, digits: str):
+        self.digits = digits
+
+
+def parse_int(digits: str):
+    """json.loads's integer parser: an integer no field could take becomes an OutOfRange, for get() to name."""
+    value = int(digits) if len(digits) <= 21 else None
+    return value if value is not None and -2**63 <= value < 2**64 else OutOfRange(digits)
 
 
 # -----------------------------------------------------------------------------
@@ -72,12 +88,15 @@ def get(body: dict, name: str, kind, default=None):
     value = body.get(name)
     if value is None:
         return default
+    if isinstance(value, OutOfRange):
+        raise APIError(400, f"'{name}' is out of range (a number of {len(value.digits)} digits)", name, "out_of_range")
     ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         ok, value = True, float(value)
     if not ok:
         kinds = " or ".join(KINDS[k] for k in (kind if isinstance(kind, tuple) else (kind,)))
-        raise APIError(400, f"'{name}' must be {kinds}, got {json.dumps(value)[:40]}", name, "invalid_type")
+        shown = KINDS[type(value)] if isinstance(value, (list, dict)) else json.dumps(value)[:40]  # not a deep dump
+        raise APIError(400, f"'{name}' must be {kinds}, got {shown}", name, "invalid_type")
     return value
 
 
@@ -100,10 +119,12 @@ def sampling_options(body: dict, endpoint: str, model_id: str) -> dict:
         raise APIError(400, f"'temperature' must be between 0 and 2, got {temperature}", "temperature")
     if not 0 < top_p <= 1:
         raise APIError(400, f"'top_p' must be in (0, 1], got {top_p}", "top_p")
+    temperature = 0.0 if temperature < MIN_TEMPERATURE else temperature
     stop = get(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, "'stop' must be a non-empty string or a list of at most 4 of them", "stop")
+    if len(stop) > 4 or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"'stop' must be a string of 1 to {MAX_STOP_CHARS} characters or a list of at most 4 "
+                            "of them", "stop")
     seed = get(body, "seed", int, secrets.randbits(63))
     stream_options = get(body, "stream_options", dict, {})
     return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "stop": stop,
@@ -140,6 +161,7 @@ class TextStream:
 
     def __init__(self, tokenizer, stop: list[str], strip: bool):
         self.tokenizer, self.stop, self.strip = tokenizer, stop, strip
+        self.borders = [borders(s) for s in stop]
         self.ids: list[int] = []
         self.sent = ""
         self.stopped = False
@@ -158,7 +180,7 @@ class TextStream:
         if text.endswith("\ufffd") and self.waited < 4:  # a cut character: its other (at most 3) bytes come next
             return ""
         self.waited = 0
-        held = max([k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])], default=0)
+        held = max([overlap(text, s, b) for s, b in zip(self.stop, self.borders)], default=0)
         if self.strip:
             held = max(held, len(text) - len(text.rstrip(" ")))
         return self.send(text[: len(text) - held])
@@ -172,6 +194,28 @@ class TextStream:
         new = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent += new
         return new
+
+
+def borders(s: str) -> list[int]:
+    """KMP's table: borders[i] = the length of the longest proper prefix of s[: i + 1] that also ends it."""
+    table, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        k += s[i] == s[k]
+        table[i] = k
+    return table
+
+
+def overlap(text: str, stop: str, table: list[int]) -> int:
+    """The length of the longest proper prefix of stop that text ends with: KMP over text's last len(stop) - 1
+    characters, so linear in len(stop) where trying every prefix would be quadratic."""
+    k = 0
+    for c in text[max(0, len(text) - len(stop) + 1):]:
+        while k and c != stop[k]:
+            k = table[k - 1]
+        k += c == stop[k]
+    return k
 
 
 class Job:
@@ -194,6 +238,10 @@ class Job:
     def cached(self) -> int:
         """Positions held in the KV cache: the prompt and every generated token but the last (not yet fed)."""
         return len(self.prompt) + len(self.generated) - 1
+
+    def fail(self):
+        self.finish_reason = "error"
+        self.events.put(("", "error"))
 
     def take(self, token: int, eos_id: int):
         """Record the next token and tell the client what it adds."""
@@ -241,7 +289,7 @@ class Engine:
             except Exception:  # a bug: fail the jobs in flight, keep serving the next ones
                 traceback.print_exc()
                 for job in self.rows:
-                    job.events.put(("", "error"))
+                    job.fail()
                 self.rows = []
 
     def step(self):
@@ -260,7 +308,7 @@ class Engine:
         caches = [cache.prefix(max(positions) + 1) for cache in self.caches]  # keys up to the longest row only
         logits, _ = self.model(tokens, caches=caches, start_pos=torch.tensor(positions, device=self.device))
         for job, row_logits in zip(self.rows, logits[:, -1]):
-            job.take(self.pick(job, row_logits), self.eos_id)
+            self.advance(job, row_logits)
         self.generated += len(self.rows)
         self.drop_done()
 
@@ -271,12 +319,18 @@ class Engine:
         for cache, own in zip(self.caches, alone):
             cache.copy_row(len(self.rows), own, 0, n)
         self.rows.append(job)
-        job.take(self.pick(job, logits[0, -1]), self.eos_id)
+        self.advance(job, logits[0, -1])
         self.generated += 1
 
-    def pick(self, job: Job, logits) -> int:
-        # history None: no repetition penalty, which is the only reader of the ids so far
-        return sample_next(logits[None], None, job.temperature, None, job.top_p, 1.0, job.generator).item()
+    def advance(self, job: Job, logits):
+        """Sample the job's next token and hand it over; a failure here fails this row alone."""
+        try:
+            # history None: no repetition penalty, which is the only reader of the ids so far
+            token = sample_next(logits[None], None, job.temperature, None, job.top_p, 1.0, job.generator).item()
+            job.take(token, self.eos_id)
+        except Exception:
+            traceback.print_exc()
+            job.fail()
 
     def drop_done(self):
         for i in reversed(range(len(self.rows))):  # rows after i are live by now: the last may move into i
@@ -292,15 +346,20 @@ class Engine:
 # HTTP
 
 class App:
-    """What every request handler shares: the tokenizer, the engine, the key, the body limit, the page."""
+    """What every request handler shares: the tokenizer, the engine, the key, the limits, the page."""
 
     def __init__(self, args):
         model, state = load_model(args.ckpt, args.device)
         self.stage = state["stage"]
         self.tokenizer = checkpoint_tokenizer(state, args.tokenizer_path)  # and with it the chat template
         self.max_seq_len = model.config.max_seq_len
-        self.model_id, self.created = args.ckpt, int(os.path.getmtime(args.ckpt))
+        # a name, not the checkpoint's path: /health answers anyone
+        self.model_id, self.created = args.model_name or f"nanomind-{self.stage}", int(os.path.getmtime(args.ckpt))
         self.api_key, self.max_body = args.api_key, args.max_body_kb * 1024
+        self.timeout, self.max_connections = args.timeout, args.max_connections
+        # on a loopback address only loopback names: a web page whose name rebinds to 127.0.0.1 sends its own name
+        checked = args.host in LOOPBACK or args.allowed_hosts
+        self.hosts = {h.lower() for h in (*LOOPBACK, *args.allowed_hosts)} if checked else None
         self.engine = Engine(model, self.tokenizer.eos_id, args.max_batch)
         self.engine.start()
         with open(PAGE, "rb") as f:
@@ -332,24 +391,36 @@ class App:
 
 
 class Handler(BaseHTTPRequestHandler):
+    """One connection, one request (HTTP/1.0). Every answer, errors from http.server's own parsing included, is
+    JSON but the page."""
     server_version = "nanomind"
+    default_request_version = "HTTP/1.0"  # a request line without a version still gets a status line and headers
     ROUTES = {("GET", "/"): "page", ("GET", "/health"): "health", ("GET", "/v1/models"): "models",
               ("POST", "/v1/chat/completions"): "chat", ("POST", "/v1/completions"): "completion"}
+    committed = False  # the status line has gone out
+    filler = b" "  # what a probe of a half-closed client writes: whitespace before JSON, or an SSE comment
+
+    def setup(self):
+        self.timeout = self.server.app.timeout  # a send or receive stalled this long drops the connection
+        super().setup()
 
     def do_GET(self):
-        self.route("GET")
+        self.route()
 
-    def do_POST(self):
-        self.route("POST")
+    do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_GET  # other methods: 501 (send_error)
 
-    def route(self, method: str):
-        app, path = self.server.app, self.path.split("?", 1)[0]
+    def route(self):
+        app, path, method = self.server.app, self.path.split("?", 1)[0], self.command
         try:
-            raw = self.read_body() if method == "POST" else b""  # read first: an unread body would reset the socket
-            name = self.ROUTES.get((method, path))
+            raw = self.read_body()  # read first: an unread body would reset the socket
+            self.check_host()
+            name = self.ROUTES.get(("GET" if method == "HEAD" else method, path))
             if name is None:
-                if any(p == path for _, p in self.ROUTES):
-                    raise APIError(405, f"{path} does not take {method}")
+                allowed = [m for m, p in self.ROUTES if p == path]
+                allowed += ["HEAD"] * ("GET" in allowed)
+                if allowed:
+                    raise APIError(405, f"{path} takes {' or '.join(allowed)}, not {method}",
+                                   headers={"Allow": ", ".join(allowed)})
                 raise APIError(404, f"no such endpoint: {method} {path}", code="unknown_url")
             if path.startswith("/v1/"):
                 self.authenticate()
@@ -362,24 +433,48 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_json(200, {"object": "list", "data": [{"id": app.model_id, "object": "model",
                                                                  "created": app.created, "owned_by": "nanomind"}]})
             else:
+                if self.headers.get_content_type() != "application/json":  # a browser's form or text/plain POST
+                    raise APIError(415, "the body must be JSON sent with 'Content-Type: application/json'",
+                                   "Content-Type", "unsupported_media_type")
                 self.complete(name, self.parse(raw))
         except APIError as e:
-            self.send_json(e.status, e.body())
+            self.send_json(e.status, e.body(), e.headers)
         except OSError:  # the client went away while we wrote to it
             pass
+        except Exception:  # a bug: the client still gets an answer, the log the traceback
+            traceback.print_exc()
+            self.send_json(500, APIError(500, "internal error; the server's log has the traceback").body())
 
     def read_body(self) -> bytes:
-        try:
-            n = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            raise APIError(400, "Content-Length must be a number") from None
+        length = self.headers.get("Content-Length", "0").strip()
+        if not (length.isascii() and length.isdigit() and len(length) < 16):
+            raise APIError(400, f"Content-Length must be a number of bytes, got {length[:20]!r}", "Content-Length")
+        n = int(length)
         if n > self.server.app.max_body:
-            self.connection.settimeout(10)
             while n > 0 and (chunk := self.rfile.read(min(n, 1 << 16))):  # drained, so the client reads the 413
                 n -= len(chunk)
             raise APIError(413, f"the body is over this server's limit of {self.server.app.max_body} bytes "
                                 "(--max_body_kb)", code="body_too_large")
-        return self.rfile.read(n)
+        try:
+            raw = self.rfile.read(n)
+            late = self.server.open[self.connection] < time.monotonic()  # then Server shut our reading end
+        except TimeoutError:
+            raw, late = b"", True
+        if len(raw) < n:  # the client stopped sending: a half-close, or too late
+            if late:
+                raise APIError(408, f"the request was not sent within {self.server.app.timeout} s", code="timeout")
+            raise APIError(400, f"the body ended after {len(raw)} of its Content-Length {n} bytes", "Content-Length")
+        self.server.open[self.connection] = math.inf  # read: the answer may take as long as it takes
+        return raw
+
+    def check_host(self):
+        hosts, host = self.server.app.hosts, self.headers.get("Host")
+        if hosts is None or host is None:
+            return
+        name = host[1 : host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]  # without the port
+        if name.lower() not in hosts:
+            raise APIError(403, f"Host {host[:100]!r} is not allowed: this server answers to {', '.join(sorted(hosts))}"
+                                " (--allowed_hosts adds names)", "Host", "host_not_allowed")
 
     def authenticate(self):
         key = self.server.app.api_key
@@ -391,8 +486,10 @@ class Handler(BaseHTTPRequestHandler):
     @staticmethod
     def parse(raw: bytes) -> dict:
         try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            body = json.loads(raw, parse_int=parse_int)
+        except RecursionError:
+            raise APIError(400, "the body is not valid JSON: nested too deeply", code="invalid_json") from None
+        except ValueError as e:  # not UTF-8, not JSON
             raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object", code="invalid_json")
@@ -422,6 +519,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-cache")
         self.end_headers()
+        self.committed, self.filler = True, b":\n\n"
         head = {**head, "object": head["object"] + ".chunk" if chat else head["object"]}
 
         def chunk(text: str | None, finish: str | None = None, role: bool = False):
@@ -465,25 +563,43 @@ class Handler(BaseHTTPRequestHandler):
                 return
 
     def client_gone(self) -> bool:
-        """The client closed its end: the socket reads as ready with nothing in it."""
+        """The client closed its socket. End-of-file alone may be a half-close (a client done sending, still
+        reading): a write tells them apart, as a closed socket answers it with a reset that the next check reads."""
         try:
             ready, _, _ = select.select([self.connection], [], [], 0)
-            return bool(ready) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            if ready and self.connection.recv(1, socket.MSG_PEEK) == b"":
+                if not self.committed:  # a plain answer: its status and headers go now, its JSON after whitespace
+                    self.send_head(200, "application/json")
+                self.wfile.write(self.filler)
+            return False
         except OSError:
             return True
 
     def event(self, obj: dict):
         self.wfile.write(f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode())
 
-    def send_json(self, status: int, obj: dict):
-        self.send(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json")
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None):
+        """http.server's own errors (a malformed request line, headers too long, an unknown method) as JSON."""
+        self.close_connection = True
+        if code == 400 and self.server.open.get(self.connection, math.inf) < time.monotonic():
+            code, message = 408, f"the request was not sent within {self.server.app.timeout} s"  # cut short by it
+        self.send_json(code, APIError(code, message or self.responses.get(code, ("error",))[0]).body())
 
-    def send(self, status: int, data: bytes, content_type: str):
+    def send_json(self, status: int, obj: dict, headers: dict | None = None):
+        self.send(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json", headers)
+
+    def send(self, status: int, data: bytes, content_type: str, headers: dict | None = None):
+        if not self.committed:
+            self.send_head(status, content_type, {"Content-Length": str(len(data)), **(headers or {})})
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def send_head(self, status: int, content_type: str, headers: dict | None = None):
         self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
+        for key, value in {"Content-Type": content_type, **(headers or {})}.items():
+            self.send_header(key, value)
         self.end_headers()
-        self.wfile.write(data)
+        self.committed = True
 
 
 def usage(job: Job) -> dict:
@@ -493,13 +609,51 @@ def usage(job: Job) -> dict:
 
 
 class Server(ThreadingHTTPServer):
+    """A thread per connection, up to --max_connections; past that a 503 straight from the accepting thread. A
+    request not read within --timeout of its connection is cut off (its socket shut for reading)."""
     daemon_threads = True  # a stuck client does not keep the process alive at exit
+    request_queue_size = 1024  # the listen backlog: clients arriving together wait in it rather than being reset
 
     def __init__(self, address: tuple[str, int], app: App):
         self.app = app
+        self.open: dict[socket.socket, float] = {}  # each connection -> by when its request must be read
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, Handler)
+
+    def process_request(self, request, client_address):
+        if len(self.open) >= self.app.max_connections:
+            return self.refuse(request)
+        self.open[request] = time.monotonic() + self.app.timeout
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            del self.open[request]
+
+    def service_actions(self):  # serve_forever calls it every half second
+        now = time.monotonic()
+        for sock, deadline in list(self.open.items()):
+            if deadline < now:
+                try:
+                    sock.shutdown(socket.SHUT_RD)  # the handler's read ends; it can still write its 408
+                except OSError:
+                    pass
+
+    def refuse(self, sock: socket.socket):
+        body = json.dumps(APIError(503, f"the server has {self.app.max_connections} connections open "
+                                        "(--max_connections); try again later", code="server_busy").body()).encode()
+        try:
+            sock.setblocking(False)  # the few bytes fit the socket's buffer; never wait on this client
+            sock.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\nRetry-After: 1\r\n\r\n" + body)
+            sock.shutdown(socket.SHUT_WR)
+            sock.recv(1 << 16)  # what the request sent so far: unread, closing would reset the connection
+        except OSError:
+            pass
+        self.shutdown_request(sock)
 
 
 def parse_args(argv):
@@ -508,13 +662,20 @@ def parse_args(argv):
     p.add_argument("--host", default="127.0.0.1", help="another address than this machine's own lets others in")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     p.add_argument("--api_key", help="require 'Authorization: Bearer KEY' on /v1/ (default: no key)")
+    p.add_argument("--allowed_hosts", type=lambda s: [h for h in s.split(",") if h], default=[],
+                   help="names a client may put in its Host header besides 127.0.0.1, localhost and [::1] "
+                        "(checked on a loopback --host, or whenever given), e.g. myhost.lan,myhost.lan.")
+    p.add_argument("--model_name", help="the model's id in the API (default: nanomind-<the checkpoint's stage>)")
     p.add_argument("--tokenizer_path", help="default: the checkpoint's")
     p.add_argument("--max_batch", type=int, default=8, help="requests decoded together; more wait for a row")
     p.add_argument("--max_body_kb", type=int, default=1024, help="larger request bodies get 413")
+    p.add_argument("--max_connections", type=int, default=128, help="connections open at once; more get 503")
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds a client has to send its request, and the longest a send or receive may stall")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    if args.max_batch < 1 or args.max_body_kb < 1:
-        raise ConfigError("--max_batch and --max_body_kb must be at least 1")
+    if min(args.max_batch, args.max_body_kb, args.max_connections) < 1 or not args.timeout > 0:
+        raise ConfigError("--max_batch, --max_body_kb and --max_connections must be at least 1, --timeout positive")
     return args
 
 
@@ -531,8 +692,8 @@ def main(argv=None):
               file=sys.stderr, flush=True)
     host, port = server.server_address[:2]
     host = f"[{host}]" if ":" in host else host
-    print(f"serving {args.ckpt} ({app.stage} checkpoint) at http://{host}:{port}/ (the chat page; the API under /v1)",
-          flush=True)
+    print(f"serving {args.ckpt} ({app.stage} checkpoint) as '{app.model_id}' at http://{host}:{port}/ (the chat page; "
+          "the API under /v1)", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -155,8 +155,8 @@ def test_the_same_seed_samples_the_same_answer(client):
 
 def raw(url, path, body: bytes | None = None, headers=None, method=None):
     """(status, parsed JSON body) of one request, whatever the status."""
-    request = urllib.request.Request(url + path, body, {"Authorization": f"Bearer {KEY}", **(headers or {})},
-                                     method=method)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})}
+    request = urllib.request.Request(url + path, body, headers, method=method)
     try:
         with urllib.request.urlopen(request) as r:
             return r.status, json.loads(r.read())
@@ -186,6 +186,15 @@ BAD = [  # (body, status, param or code the error names)
     ({**CHAT, "stop": 5}, 400, "stop"),
     ({**CHAT, "stream_options": []}, 400, "stream_options"),
     ({**CHAT, "seed": 1.5}, 400, "seed"),
+    ({**CHAT, "seed": 10**30}, 400, "seed"),
+    ({**CHAT, "seed": 2**64}, 400, "seed"),
+    ({**CHAT, "temperature": 10**400}, 400, "temperature"),
+    ({**CHAT, "top_p": -10**400}, 400, "top_p"),
+    pytest.param(json.dumps(CHAT)[:-1].encode() + b', "max_tokens": ' + b"9" * 5000 + b"}", 400, "max_tokens",
+                 id="max_tokens-of-5000-digits"),  # beyond Python's 4,300-digit int conversion limit
+    pytest.param(b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "invalid_json",
+                 id="nested-100000-deep"),  # beyond the parser's recursion limit
+    ({**CHAT, "stop": ["x" * 250_000] * 4}, 400, "stop"),
     ({**CHAT, "n": 2}, 400, "n"),
     ({**CHAT, "frequency_penalty": 1}, 400, "frequency_penalty"),
     ({**CHAT, "messages": [{"role": "user", "content": "Kenya " * 200}]}, 400, "context_length_exceeded"),
@@ -211,7 +220,7 @@ def test_keys_paths_and_body_size(server, client):
     status, body = raw(server, "/v1/chat/completions", b" " * (1024 * 1024 + 1))
     assert status == 413 and body["error"]["code"] == "body_too_large"
     assert raw(server, "/health", headers={"Authorization": ""})[1]["status"] == "ok"  # no key needed
-    assert client.models.list().data[0].id.endswith("best.pt")
+    assert client.models.list().data[0].id == "nanomind-sft"
 
 
 def test_another_host_than_loopback_is_warned_about(tiny_sft):
@@ -264,7 +273,7 @@ def test_a_client_that_goes_away_stops_its_generation(long_server, stream):
     host, port = long_server[len("http://"):].split(":")
     body = json.dumps({"prompt": "The capital of", "stream": stream, "temperature": 0}).encode()
     sock = socket.create_connection((host, int(port)))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     if stream:
         assert sock.recv(100).startswith(b"HTTP/1.0 200")
@@ -351,7 +360,7 @@ def test_a_chatml_checkpoint_is_served_in_its_own_template(tmp_path):
     proc, url, _ = start_server(ckpt)
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        answer = client.chat.completions.create(model=str(ckpt), messages=messages, temperature=0, max_tokens=12)
+        answer = client.chat.completions.create(model="nanomind-sft", messages=messages, temperature=0, max_tokens=12)
     finally:
         proc.terminate()
         proc.wait()
