@@ -3,13 +3,12 @@ Skips only when no chromium is installed."""
 import json
 import os
 import shutil
-import time
 import urllib.request
 
 import pytest
 from playwright.sync_api import sync_playwright
 
-from test_serve import health, long_server, start_server  # noqa: F401 (long_server is a fixture)
+from test_serve import health, long_server, start_server, wait_until  # noqa: F401 (long_server is a fixture)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium installed (apt-get install chromium)")
@@ -101,12 +100,3 @@ def test_the_stop_button_ends_the_answer_and_its_generation(browser, long_server
     # the server stopped generating for nobody: a loaded machine may take a while to notice the closed connection
     assert wait_until(lambda: health(long_server)["running"] == 0)
 
-
-def wait_until(condition, seconds: float = 60) -> bool:
-    """Poll condition until it holds (True) or seconds have passed (False): a property, not a timing."""
-    deadline = time.time() + seconds
-    while not condition():
-        if time.time() > deadline:
-            return False
-        time.sleep(0.01)
-    return True

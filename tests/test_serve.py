@@ -267,6 +267,16 @@ def health(url) -> dict:
         return json.loads(r.read())
 
 
+def wait_until(condition, seconds: float = 60) -> bool:
+    """Poll condition until it holds (True) or seconds have passed (False): a property, not a timing."""
+    deadline = time.time() + seconds
+    while not condition():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_goes_away_stops_its_generation(long_server, stream):
     before = health(long_server)["generated_tokens"]
@@ -281,10 +291,7 @@ def test_a_client_that_goes_away_stops_its_generation(long_server, stream):
         time.sleep(0.01)
     assert health(long_server)["running"] == 1
     sock.close()  # walk away mid-answer
-    deadline = time.time() + 30
-    while health(long_server)["running"] and time.time() < deadline:
-        time.sleep(0.01)
-    assert health(long_server)["running"] == 0
+    assert wait_until(lambda: health(long_server)["running"] == 0, seconds=30)
     generated = health(long_server)["generated_tokens"] - before
     assert generated < 4000  # the answer had room for ~4090 tokens
     body = json.dumps({"prompt": "The capital of", "max_tokens": 3, "temperature": 0}).encode()
