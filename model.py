@@ -354,6 +354,9 @@ class Transformer(nn.Module):
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type in ("cuda", "cpu"))
 
 
+MIN_TEMPERATURE = 1e-5  # sampling at a lower temperature is greedy
+
+
 def sample_next(logits, history, temperature: float, top_k: int | None, top_p: float | None,
                 repetition_penalty: float, generator: torch.Generator | None = None):
     """Pick the next id (B, 1) from last-position logits (B, V) given the ids so far (B, T); random draws come
@@ -363,7 +366,7 @@ def sample_next(logits, history, temperature: float, top_k: int | None, top_p: f
         # CTRL's penalty on every id already in the sequence: shrink positive logits, push negative ones down
         seen = logits.gather(1, history)
         logits = logits.scatter(1, history, torch.where(seen > 0, seen / repetition_penalty, seen * repetition_penalty))
-    if temperature == 0:
+    if temperature < MIN_TEMPERATURE:  # 0 means greedy; far below, logits / temperature overflows to inf - inf = nan
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature
     if top_k is not None:

@@ -40,7 +40,6 @@ PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MAX_WAITING = 64  # requests queued for a row beyond this get 503: a client should back off rather than time out
 MAX_STOP_CHARS = 500  # each stop string is matched against the answer's end at every token
-MIN_TEMPERATURE = 1e-5  # below it logits / temperature can overflow float32 (inf - inf = nan): sampled greedily
 
 
 class APIError(Exception):
@@ -119,7 +118,6 @@ def sampling_options(body: dict, endpoint: str, model_id: str) -> dict:
         raise APIError(400, f"'temperature' must be between 0 and 2, got {temperature}", "temperature")
     if not 0 < top_p <= 1:
         raise APIError(400, f"'top_p' must be in (0, 1], got {top_p}", "top_p")
-    temperature = 0.0 if temperature < MIN_TEMPERATURE else temperature
     stop = get(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > 4 or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):

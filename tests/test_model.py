@@ -163,7 +163,7 @@ def test_rows_stop_at_eos_and_the_stream_ends_when_all_have():
     assert eos in out[0, 4:].tolist()
 
 
-def test_top_k_1_and_a_tiny_top_p_are_greedy():
+def test_top_k_1_a_tiny_top_p_and_a_tiny_temperature_are_greedy():
     model = tiny().eval()
     prompt = batch(model, B=2, T=4)
     greedy = model.generate(prompt, 10, temperature=0)
@@ -171,6 +171,8 @@ def test_top_k_1_and_a_tiny_top_p_are_greedy():
     assert torch.equal(model.generate(prompt, 10, temperature=1.0, top_k=1), greedy)
     torch.manual_seed(0)
     assert torch.equal(model.generate(prompt, 10, temperature=1.0, top_p=1e-6), greedy)
+    for temperature in (1e-38, 1e-45, 5e-324):  # too small to divide by (nan probabilities): greedy, in every caller
+        assert torch.equal(model.generate(prompt, 10, temperature=temperature), greedy)
 
 
 def test_repetition_penalty_lowers_seen_tokens():

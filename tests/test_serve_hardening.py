@@ -106,9 +106,10 @@ def test_a_row_whose_sampling_fails_fails_alone():
     model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=64)).eval()
     engine, tokenizer = serve.Engine(model, eos_id=-1, max_batch=3), load_tokenizer()
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    temperatures = [0.0, 1e-40, 0.0]  # the middle one divides logits by a float32 zero: nan probabilities
-    jobs = [serve.Job(p, 6, {"temperature": t, "top_p": 1.0, "generator": torch.Generator().manual_seed(0)},
-                      serve.TextStream(tokenizer, [], strip=False)) for p, t in zip(prompts, temperatures)]
+    # the middle row samples with something that is no generator: torch.multinomial raises for it alone
+    generators = [torch.Generator().manual_seed(0), "not a generator", torch.Generator().manual_seed(0)]
+    jobs = [serve.Job(p, 6, {"temperature": 1.0 if i == 1 else 0.0, "top_p": 1.0, "generator": g},
+                      serve.TextStream(tokenizer, [], strip=False)) for i, (p, g) in enumerate(zip(prompts, generators))]
     for job in jobs:
         engine.submit(job)
     for _ in range(20):  # bounded: 6 tokens each
