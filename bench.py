@@ -38,14 +38,17 @@ import urllib.request
 
 import torch
 
-import prepare_demo
-import train_dpo
-import train_pretrain
-import train_sft
-from data import Loader, PretrainData, load_tokenizer, tokenize_file
+import demo_data
+from config import DPOConfig, PretrainConfig, SFTConfig, help_text, load_config, read_config_file
+from data import Loader, PretrainData
+from engine import generate
+from errors import ConfigError, cli
 from lora import add_lora, trainable_params
+from metrics import measure_peak_flops
 from model import ModelConfig, Transformer
-from train_utils import ConfigError, cli, help_text, load_config, measure_peak_flops, read_config_file, setup
+from runtime import setup
+from token_cache import tokenize_file
+from tokenizer import load_tokenizer
 
 
 @dataclasses.dataclass
@@ -67,7 +70,8 @@ class Bench:
 
 
 REPO = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = {"train": train_pretrain, "sft": train_sft, "dpo": train_dpo}
+SCRIPTS = {"train": ("train_pretrain.py", PretrainConfig), "sft": ("train_sft.py", SFTConfig),
+           "dpo": ("train_dpo.py", DPOConfig)}  # each mode's script, and its keys
 DEFAULT_VARIANTS = {"dpo": ["precompute_ref=False", "precompute_ref=True"]}
 GENERATE_BATCH_SIZES = (1, 8)
 NEVER = 10**9  # an eval/save interval the run never reaches: it evaluates (1 batch) and saves only at the end
@@ -85,15 +89,16 @@ def keys(*schemas) -> set[str]:
 def stage_schemas(mode: str) -> tuple:
     """The dataclasses a mode's flags fill: the stage script's Config (generate and data read a few of
     train_pretrain's) and the model's."""
-    return SCRIPTS.get("sft" if mode == "lora" else mode, train_pretrain).Config, ModelConfig
+    return SCRIPTS.get("sft" if mode == "lora" else mode, SCRIPTS["train"])[1], ModelConfig
 
 
 def print_help(argv: list[str]):
     """Bench's keys, then those of the stage --mode names (default: train), under bench's own usage line."""
     (bench,) = load_config([a for a in argv if key(a) == "mode"], Bench)
     schemas = stage_schemas(bench.mode)
+    script = SCRIPTS.get("sft" if bench.mode == "lora" else bench.mode, SCRIPTS["train"])[0]
     keys = help_text((Bench, *schemas), ()).split("\n", 1)[1]  # without its usage line, which knows no variants
-    print(f"{USAGE}\nBench's keys, then those of {schemas[0].__module__}.py and the model (--mode=sft --help, "
+    print(f"{USAGE}\nBench's keys, then those of {script} and the model (--mode=sft --help, "
           f"--mode=dpo --help: theirs); a variant sets the latter.\n{keys}")
 
 
@@ -141,12 +146,12 @@ def resolve(mode: str, flags: list[str]):
 
 
 class Synthetic:
-    """Demo-style bilingual text (prepare_demo.py) as pretraining documents, conversations and DPO pairs of
+    """Demo-style bilingual text (demo_data.py) as pretraining documents, conversations and DPO pairs of
     random lengths up to a limit in tokens, written as the JSONL the scripts read."""
 
     def __init__(self, tokenizer, seed: int = 1337):
         self.tok, self.rng = tokenizer, random.Random(seed)
-        self.ids = tokenizer.encode(" ".join(prepare_demo.documents(2000, 20, self.rng)))
+        self.ids = tokenizer.encode(" ".join(demo_data.documents(2000, 20, self.rng)))
 
     def text(self, n_tokens: int) -> str:
         start = self.rng.randrange(len(self.ids) - n_tokens)
@@ -155,7 +160,7 @@ class Synthetic:
     def documents(self, n_tokens: int) -> list[dict]:
         docs, total = [], 0
         while total < n_tokens:
-            docs += [{"text": d} for d in prepare_demo.documents(200, 20, self.rng)]
+            docs += [{"text": d} for d in demo_data.documents(200, 20, self.rng)]
             total += sum(len(self.tok.encode(d["text"])) + 2 for d in docs[-200:])  # + <s> </s>
         return docs
 
@@ -175,7 +180,7 @@ class Synthetic:
             return self.documents(n_items * model_cfg.max_seq_len + model_cfg.max_seq_len)
         if mode == "sft":
             return [self.conversation(cfg.max_seq_len + 1) for _ in range(n_items)]
-        cfg = train_dpo.fit_lengths(cfg, model_cfg.max_seq_len)  # the prompt and answer lengths the script will use
+        cfg = cfg.fit_lengths(model_cfg.max_seq_len)  # the prompt and answer lengths the script will use
         return [self.pair(cfg.max_prompt_length, cfg.max_completion_length) for _ in range(n_items)]
 
 
@@ -187,12 +192,12 @@ def run_stage(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_o
     run = setup(cfg.device, cfg.dtype, cfg.seed)
     peak = cfg.peak_flops or peak_of(run.device, run.dtype, again=False)  # for the script's own MFU column
     n_items = (2 * bench.steps + 1) * cfg.batch_size * cfg.accum_steps  # no epoch ends (and evaluates) in the run
-    script = SCRIPTS[mode]
-    args = [f for f in flags if key(f) in keys(script.Config)] if mode != "train" else flags
+    script, schema = SCRIPTS[mode]
+    args = [f for f in flags if key(f) in keys(schema)] if mode != "train" else flags
     if "data_path" not in given:
         synth.rng.seed(cfg.seed)  # every variant or run of one mode trains on the same conversations (lengths)
         for split, n in (("train", n_items), ("val", cfg.batch_size)):
-            prepare_demo.write_jsonl(f"{tmp}/{split}.jsonl", synth.stage_data(mode, cfg, model_cfg, n))
+            demo_data.write_jsonl(f"{tmp}/{split}.jsonl", synth.stage_data(mode, cfg, model_cfg, n))
         args += [f"--data_path={tmp}/train.jsonl", f"--val_data_path={tmp}/val.jsonl"]
     if mode != "train" and "init_from" not in given:  # random weights train as fast as pretrained ones
         torch.save({"model": Transformer(model_cfg).state_dict(), "model_config": dataclasses.asdict(model_cfg)},
@@ -202,10 +207,10 @@ def run_stage(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_o
     args += [f"--out_dir={tmp}/out", f"--max_steps={2 * n}", "--log_interval=1", f"--eval_interval={NEVER}",
              "--eval_steps=1", f"--save_interval={NEVER}", "--keep_checkpoints=1", f"--peak_flops={peak!r}"]
     with open(f"{tmp}/log.txt", "w") as log:
-        done = subprocess.run([sys.executable, script.__file__, *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        done = subprocess.run([sys.executable, script, *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode:
         with open(f"{tmp}/log.txt") as log:
-            raise RuntimeError(f"{os.path.basename(script.__file__)} {' '.join(args)} failed:\n"
+            raise RuntimeError(f"{script} {' '.join(args)} failed:\n"
                                + "".join(log.readlines()[-30:]))
     if not cfg.peak_flops:  # sample the peak again after the steps: main() takes the best of all samples
         peak_of(run.device, run.dtype)
@@ -214,7 +219,7 @@ def run_stage(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_o
     rows = [row for row in logged if "tokens_per_s" in row]  # one per step
     evaluations = [row["step"] for row in logged if "tokens_per_s" not in row and "layer_grad_norms" not in row]
     if any(n <= step < 2 * n for step in evaluations):  # an epoch ended: the next step's interval holds the evaluation
-        raise RuntimeError(f"{os.path.basename(script.__file__)} evaluated after step(s) {evaluations} (an epoch ended) "
+        raise RuntimeError(f"{script} evaluated after step(s) {evaluations} (an epoch ended) "
                            f"while steps {n + 1}..{2 * n} were timed: give it more data or fewer --steps")
     # a step's own interval: nothing but the step and its log line ran between two rows
     seconds = [row["elapsed_s"] - before["elapsed_s"] for before, row in zip(rows[n - 1 :], rows[n:])]
@@ -251,7 +256,7 @@ def run_lora(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of
 
 def timed_generation(model, prompt, new_tokens: int, use_cache: bool, run) -> tuple[float, float]:
     """(prefill seconds: the prompt's forward and the first token, decode seconds: the other new_tokens - 1)."""
-    stream = model.stream(prompt, new_tokens, temperature=0.0, use_cache=use_cache)
+    stream = generate(model, prompt.tolist(), new_tokens, use_cache=use_cache)  # greedy
     with run.autocast():
         t0 = time.perf_counter()
         next(stream)
@@ -283,7 +288,8 @@ def run_generate(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, pea
 
 
 TOKENISE = """import json, resource, sys, time
-from data import load_tokenizer, tokenize_file
+from token_cache import tokenize_file
+from tokenizer import load_tokenizer
 path, tokenizer_path, processes = sys.argv[1], sys.argv[2] or None, int(sys.argv[3])
 tokenizer = load_tokenizer(tokenizer_path)
 t0 = time.perf_counter()
@@ -332,9 +338,9 @@ def timed_tokenisation(path: str, tokenizer_path: str | None, processes: int, tm
 
 
 def write_pretraining_file(path: str, megabytes: float, rng: random.Random):
-    """Demo-style JSONL of about `megabytes`: each record joins 2-10 prepare_demo documents (~1.7 KB, about the
+    """Demo-style JSONL of about `megabytes`: each record joins 2-10 demo_data documents (~1.7 KB, about the
     size of MiniMind's pretraining records), drawn from a pool so that writing GBs takes seconds, not minutes."""
-    pool = prepare_demo.documents(2000, 20, rng)
+    pool = demo_data.documents(2000, 20, rng)
     with open(path, "w", encoding="utf-8") as f:
         while f.tell() < megabytes * 1e6:
             f.writelines(json.dumps({"text": "\n".join(rng.choices(pool, k=rng.randint(2, 10)))}, ensure_ascii=False)

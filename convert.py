@@ -32,15 +32,15 @@ import os
 import re
 import shutil
 import struct
-import sys
 from pathlib import Path
 
 import torch
 
+from checkpoint import atomic_save, checkpoint_tokenizer, load_checkpoint, load_model_state, model_from_checkpoint
+from config import check_type, parse_flag_value
+from errors import CheckpointError, ConfigError, cli
 from model import ModelConfig, Transformer
 from tokenizer import DEFAULT_DIR, HFTokenizer, TiktokenTokenizer, _byte_level_alphabet, load_tokenizer
-from train_utils import (CheckpointError, ConfigError, atomic_save, check_type, checkpoint_tokenizer, cli,
-                         load_checkpoint, load_model_state, model_from_checkpoint, parse_flag_value)
 
 # -----------------------------------------------------------------------------
 # safetensors

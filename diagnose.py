@@ -26,14 +26,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import train_dpo  # noqa: E402
-import train_pretrain  # noqa: E402
-import train_sft  # noqa: E402
-from data import (BadRecord, Loader, PretrainData, SFTData, encode_chat, encode_pretrain, encode_sft,  # noqa: E402
-                  show_mask, tokenize_file)
+from chat import encode_chat, show_mask  # noqa: E402
+from config import DPOConfig, PretrainConfig, SFTConfig, help_text, load_config  # noqa: E402
+from data import Loader, PretrainData, SFTData  # noqa: E402
+from errors import BadRecord, ConfigError, cli  # noqa: E402
 from model import ATTENTION_TILE, ModelConfig, Transformer  # noqa: E402
+from optim import set_lr  # noqa: E402
+from runtime import setup  # noqa: E402
+from token_cache import encode_pretrain, encode_sft, tokenize_file  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
-from train_utils import ConfigError, cli, help_text, load_config, set_lr, setup  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -394,7 +395,7 @@ COMMANDS = {"overfit": "can the model memorise one batch? (one that cannot has a
             "memory": "estimated against measured training memory"}
 USAGE = f"usage: python diagnose.py {{{'|'.join(COMMANDS)}}} [config_file.py] [--key=value ...]"
 SCHEMAS = (Config, ModelConfig)
-TRAINING = (train_pretrain.Config, train_sft.Config, train_dpo.Config)  # their configs work here as they are
+TRAINING = (PretrainConfig, SFTConfig, DPOConfig)  # their config files work here as they are
 
 
 def print_help():

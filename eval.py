@@ -24,15 +24,21 @@ import json
 import math
 import os
 import re
-from collections import Counter, defaultdict
+from collections import Counter
 
 import numpy as np
 import torch
 
-from data import BadRecord, DataError, Loader, PretrainData, encode_chat, pad_rows, parse_line, tokenize_file
-from train_dpo import sequence_logprobs
-from train_utils import (ConfigError, bits_per_byte, checkpoint_tokenizer, cli, count_token_bytes, load_config,
-                         lm_sums, model_from_checkpoint, parse_row, perplexity, setup)
+from chat import encode_chat
+from checkpoint import load_model
+from config import load_config
+from data import Loader, PretrainData, pad_rows
+from engine import Sampling, complete
+from errors import BadRecord, ConfigError, DataError, cli
+from losses import bits_per_byte, count_token_bytes, lm_sums, perplexity, sequence_logprobs
+from metrics import parse_row
+from runtime import setup
+from token_cache import parse_line, tokenize_file
 
 
 @dataclasses.dataclass
@@ -102,12 +108,8 @@ class ChoiceConfig(EvalConfig):
 def load(cfg: EvalConfig):
     """(eval-mode model, its tokenizer, the checkpoint's state, Run)."""
     run = setup(cfg.device, cfg.dtype, cfg.seed)
-    model, state = model_from_checkpoint(cfg.ckpt, run.device)
-    tokenizer = checkpoint_tokenizer(state, cfg.tokenizer_path)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but {cfg.ckpt}'s model only "
-                          f"{model.config.vocab_size}: pass the tokenizer_path it was trained with")
-    return model.eval(), tokenizer, state, run
+    model, tokenizer, state = load_model(cfg.ckpt, run.device, cfg.tokenizer_path)
+    return model, tokenizer, state, run
 
 
 @torch.no_grad()
@@ -218,28 +220,6 @@ def read_conversations(path: str, limit: int | None) -> list[dict]:
     return records
 
 
-@torch.no_grad()
-def generate_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                     batch_size: int = 64) -> list[str]:
-    """The model's answer to each prompt (ids ending with the chat template's generation prompt), up to its end of
-    turn. Prompts of equal length share a batch, so no padding (and no attention mask) is needed."""
-    by_length = defaultdict(list)
-    for i, ids in enumerate(prompts):
-        by_length[len(ids)].append(i)
-    answers = [""] * len(prompts)
-    device = next(model.parameters()).device
-    for length, indices in by_length.items():
-        for start in range(0, len(indices), batch_size):
-            chunk = indices[start : start + batch_size]
-            new = min(max_new_tokens, model.config.max_seq_len - length)
-            out = model.generate(torch.tensor([prompts[i] for i in chunk], device=device), new,
-                                 temperature=temperature, eos_id=tokenizer.eos_id)[:, length:]
-            for i, row in zip(chunk, out.tolist()):
-                row = row[: row.index(tokenizer.eos_id)] if tokenizer.eos_id in row else row
-                answers[i] = tokenizer.decode(row).strip()
-    return answers
-
-
 def eval_sft(cfg: SFTConfig) -> tuple[dict, dict]:
     model, tokenizer, state, run = load(cfg)
     T = model.config.max_seq_len
@@ -259,7 +239,8 @@ def eval_sft(cfg: SFTConfig) -> tuple[dict, dict]:
         references.append(r["messages"][-1]["content"].strip())
     loader = Loader([(row,) for row in encoded], cfg.batch_size, tokenizer.pad_id, run.device)
     totals = lm_totals(model, loader.batches(len(encoded)), count_token_bytes(tokenizer), run)
-    answers = generate_answers(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, cfg.batch_size)
+    sampling = Sampling(cfg.temperature, generator=torch.Generator(run.device).manual_seed(cfg.seed))
+    answers = complete(model, tokenizer, prompts, cfg.max_new_tokens, sampling, cfg.batch_size)
 
     result = {"data_path": cfg.data_path, "records": len(records), "answer_tokens": totals["tokens"],
               "ppl": totals["ppl"], "loss": totals["loss"], "bpb": totals["bpb"],

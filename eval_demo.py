@@ -17,11 +17,13 @@ from collections import defaultdict
 
 import torch
 
-from data import DPOData, Loader, encode_chat, load_tokenizer, tokenize_file
-from eval import generate_answers
-from sample import load_model
-from train_dpo import sequence_logprobs
-from train_utils import cli
+from checkpoint import load_model
+from data import DPOData, Loader
+from engine import complete, prompt_ids
+from errors import cli
+from losses import sequence_logprobs
+from token_cache import tokenize_file
+from tokenizer import load_tokenizer
 
 HAN = re.compile(r"[\u4e00-\u9fff]")
 
@@ -72,12 +74,13 @@ def main(argv=None):
         items = [json.loads(line) for line in f]
     pairs = DPOData(tokenize_file(args.dpo_pairs, tokenizer, "dpo", verbose=False)) if args.dpo_pairs else None
     if pairs is not None and args.reference:
-        reference = pair_logprobs(load_model(args.reference)[0], pairs, tokenizer.pad_id, args.length_norm)
+        reference = pair_logprobs(load_model(args.reference, tokenizer_path=args.tokenizer_path)[0], pairs,
+                                  tokenizer.pad_id, args.length_norm)
     results, preferences = {}, {}
     for path in args.ckpts:
-        model, _ = load_model(path)
-        prompts = [encode_chat(tokenizer, [{"role": "user", "content": it["question"]}])[0] for it in items]
-        answers = generate_answers(model, tokenizer, prompts, max_new_tokens=48)
+        model, _, _ = load_model(path, tokenizer_path=args.tokenizer_path)  # trained with this tokenizer
+        prompts = [prompt_ids(tokenizer, [{"role": "user", "content": it["question"]}]) for it in items]
+        answers = complete(model, tokenizer, prompts, max_new_tokens=48)
         results[path] = score(items, answers)
         if pairs is not None:
             own = pair_logprobs(model, pairs, tokenizer.pad_id, args.length_norm)

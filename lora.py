@@ -6,8 +6,8 @@ computes
 
 so a fresh adapter leaves the model exactly as it was, and only A and B -- r * (in + out) numbers per matrix
 instead of in * out -- train: no gradients and no AdamW state for the model itself. merge_lora folds B A into W,
-which gives a plain Transformer again. Checkpoints of a LoRA run hold only the adapters (train_utils.Checkpoints);
-train_utils.model_from_checkpoint rebuilds and merges them onto their base.
+which gives a plain Transformer again. Checkpoints of a LoRA run hold only the adapters (checkpoint.Checkpoints);
+checkpoint.model_from_checkpoint rebuilds and merges them onto their base.
 """
 import math
 from contextlib import contextmanager

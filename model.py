@@ -1,5 +1,5 @@
 """
-The nanomind model: MiniMind's LLaMA-style decoder in one file.
+The nanomind model: MiniMind's LLaMA-style decoder, the network alone (engine.py generates with it).
 
 token embedding -> n_layers x [RMSNorm -> grouped-query attention with RoPE -> +residual,
                                RMSNorm -> SwiGLU feed-forward -> +residual]
@@ -78,52 +78,6 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-class KVCache:
-    """One layer's keys and values, preallocated once: (B, K, max_len, D); a batch of b <= B rows uses rows 0..b-1.
-    Rows share one position (start_pos an int, generate()), or each decodes one token at its own position
-    (start_pos a (b,) tensor: a server's batch of requests that started at different times)."""
-
-    def __init__(self, batch_size: int, max_len: int):
-        self.shape = (batch_size, max_len)
-        self.k = self.v = None  # allocated at the first write, in the dtype attention runs in
-
-    def allocate(self, k, v):
-        B, max_len = self.shape
-        self.k = k.new_zeros(B, k.size(1), max_len, k.size(3))
-        self.v = v.new_zeros(B, v.size(1), max_len, v.size(3))
-
-    def update(self, k, v, start_pos: int | torch.Tensor):
-        """Write k, v (b, K, T, D) at start_pos; return the keys and values rows 0..b-1 attend to: (b, K, start_pos
-        + T, D), or with per-row positions all max_len of them (attention hides each row's keys past its own)."""
-        if self.k is None:
-            self.allocate(k, v)
-        b = k.size(0)
-        if isinstance(start_pos, int):
-            end = start_pos + k.size(2)
-            self.k[:b, :, start_pos:end] = k
-            self.v[:b, :, start_pos:end] = v
-            return self.k[:b, :, :end], self.v[:b, :, :end]
-        rows = torch.arange(b, device=k.device)
-        self.k[rows, :, start_pos] = k[:, :, 0]  # row r's key goes to position start_pos[r]: (b, K, D)
-        self.v[rows, :, start_pos] = v[:, :, 0]
-        return self.k[:b], self.v[:b]
-
-    def prefix(self, length: int) -> "KVCache":
-        """This cache's first `length` positions, sharing its storage: a batch decoding at per-row positions
-        attends to the keys up to its longest row, not to all max_len."""
-        view = KVCache(self.shape[0], length)
-        view.k, view.v = self.k[:, :, :length], self.v[:, :, :length]
-        return view
-
-    def copy_row(self, row: int, src: "KVCache", src_row: int, length: int):
-        """Row `row`'s first `length` positions <- those of src's row src_row: a request prefilled on its own joins
-        a batch, or a batch's last row moves into the place of one that finished."""
-        if self.k is None:
-            self.allocate(src.k, src.v)
-        self.k[row, :, :length] = src.k[src_row, :, :length]
-        self.v[row, :, :length] = src.v[src_row, :, :length]
-
-
 # query rows per tile of the math path: 64 was the fastest of 32/64/128/256 for 26m (T = 512) on this CPU
 ATTENTION_TILE = 64
 
@@ -142,7 +96,7 @@ class Attention(nn.Module):
         self.dropout = config.dropout
         self.config = config
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, start_pos: int | torch.Tensor = 0):
+    def forward(self, x, cos, sin, cache=None, start_pos: int | torch.Tensor = 0):
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -151,42 +105,44 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D), (B, K, T, D)
-        if cache is not None:
-            k, v = cache.update(k, v, start_pos)  # (B, K, S, D), S = start_pos + T
+        if cache is not None:  # engine.KVCache: keys and values of every position so far
+            k, v = cache.update(k, v, start_pos)  # (B, K, S, D)
         dropout = self.dropout if self.training else 0.0
-        if self.config.uses_flash(x.device.type):
-            if isinstance(start_pos, int):
-                # is_causal masks top-left aligned, right when queries start at key 0; a decode step
-                # (start_pos > 0, T == 1, checked by Transformer) attends to every cached key
-                mask, causal = None, start_pos == 0
-            else:  # one query per row (T == 1) at its own position: it sees its row's keys 0 .. start_pos
-                mask, causal = (torch.arange(k.size(2), device=x.device) <= start_pos[:, None])[:, None, None], False
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                                               enable_gqa=True)
-        else:
-            y = self.math_attention(q, k, v, start_pos, dropout)
+        attend = self.sdpa_attention if self.config.uses_flash(x.device.type) else self.math_attention
+        y = attend(q, k, v, start_pos, dropout)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return F.dropout(self.wo(y), dropout, self.training)
 
+    def sdpa_attention(self, q, k, v, start_pos: int | torch.Tensor, dropout: float):
+        """PyTorch's fused attention (flash or memory-efficient kernels where the device has them)."""
+        T = q.size(2)
+        if isinstance(start_pos, int) and (start_pos == 0 or T == 1):
+            # is_causal masks top-left aligned, right when queries start at key 0; one query at the end of the
+            # cache (a decode step) sees every key
+            mask, causal = None, start_pos == 0
+        else:  # queries continuing a cache, or rows at their own positions: spelled out
+            mask, causal = visible_keys(start_pos, T, k.size(2), q.device)[:, None], False
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                              enable_gqa=True)
+
     def math_attention(self, q, k, v, start_pos: int | torch.Tensor, dropout: float):
-        """softmax(q k^T / sqrt(D) + causal mask) v, written out; the reference the flash path is tested against.
-        Queries go in tiles of ATTENTION_TILE rows, each against only the keys its rows may see, so the tiles above
-        the diagonal (nearly half the work when T = S) are never computed."""
+        """softmax(q k^T / sqrt(D) + causal mask) v in plain matmuls: fast on a CPU (no fused kernel there beats it
+        for training) and the same on every device. Queries go in tiles of ATTENTION_TILE rows, each against only
+        the keys its rows may see, so the tiles above the diagonal (nearly half the work when T = S) are never
+        computed."""
         B, H, T, D = q.shape
         K, S = k.size(1), k.size(2)
         # the H // K query heads that share a kv head become rows of one matmul against it: no repeated k, v
         q = (q / math.sqrt(D)).view(B, K, H // K, T, D)
         k, v = k.reshape(B * K, S, D), v.reshape(B * K, S, D)
-        if not isinstance(start_pos, int):  # one query per row (T == 1) at its own position, keys 0 .. start_pos
-            hidden = torch.arange(S, device=q.device) > start_pos[:, None]  # (B, S)
-            mask = torch.zeros(B, S, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))
-            scores = torch.baddbmm(mask.repeat_interleave(K, dim=0)[:, None], q.reshape(B * K, H // K, D),
+        visible = visible_keys(start_pos, T, S, q.device)  # (B or 1, T, S)
+        mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
+        if not isinstance(start_pos, int):  # one query per row (T == 1) at its own position
+            scores = torch.baddbmm(mask.repeat_interleave(K, dim=0), q.reshape(B * K, H // K, D),
                                    k.transpose(1, 2))  # (B * K, H // K, S)
             probs = F.dropout(scores.float().softmax(dim=-1), dropout, self.training)
             return (probs.to(v.dtype) @ v).view(B, H, T, D)
-        # query t sits at absolute position start_pos + t and may see keys 0 .. start_pos + t
-        hidden = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(diagonal=start_pos + 1)
-        mask = torch.zeros(T, S, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))  # added to scores
+        mask = mask[0]  # (T, S), added to the scores
         out = []
         for t0 in range(0, T, ATTENTION_TILE):
             t1 = min(t0 + ATTENTION_TILE, T)
@@ -197,6 +153,23 @@ class Attention(nn.Module):
             probs = F.dropout(scores.float().softmax(dim=-1), dropout, self.training)  # fp32: bf16 loses the tail
             out.append((probs.to(v.dtype) @ v[:, :seen]).view(B, K, H // K, t1 - t0, D))
         return torch.cat(out, dim=3).view(B, H, T, D)
+
+
+def visible_keys(start_pos: int | torch.Tensor, T: int, S: int, device) -> torch.Tensor:
+    """(B or 1, T, S) bool: query t of a row, at position start_pos + t (start_pos an int, or a (B,) tensor of each
+    row's own), may see the keys at positions 0 .. its own."""
+    positions = torch.as_tensor(start_pos, device=device).view(-1, 1) + torch.arange(T, device=device)  # (B or 1, T)
+    return torch.arange(S, device=device) <= positions[..., None]
+
+
+def reference_attention(q, k, v, start_pos: int | torch.Tensor = 0) -> torch.Tensor:
+    """Causal grouped-query attention in five plain lines, in float32: the oracle both paths are tested against.
+    q (B, H, T, D); k, v (B, K, S, D); query t of a row sits at position start_pos + t."""
+    H, T, S = q.size(1), q.size(2), k.size(2)
+    k, v = (x.float().repeat_interleave(H // x.size(1), dim=1) for x in (k, v))  # each query head's kv head
+    scores = q.float() @ k.transpose(2, 3) / math.sqrt(q.size(3))  # (B, H, T, S)
+    scores = scores.masked_fill(~visible_keys(start_pos, T, S, q.device)[:, None], float("-inf"))
+    return scores.softmax(dim=-1) @ v
 
 
 class FeedForward(nn.Module):
@@ -221,7 +194,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, start_pos: int | torch.Tensor = 0):
+    def forward(self, x, cos, sin, cache=None, start_pos: int | torch.Tensor = 0):
         x = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -252,15 +225,16 @@ class Transformer(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def hidden_states(self, idx, caches: list[KVCache] | None = None, start_pos: int | torch.Tensor = 0):
-        """Token ids (B, T) -> final normalised hidden states (B, T, dim). start_pos: the position of idx[:, 0], or
-        a (B,) tensor of each row's position when every row decodes one token at its own (T == 1, with caches)."""
+    def hidden_states(self, idx, caches: list | None = None, start_pos: int | torch.Tensor = 0):
+        """Token ids (B, T) -> final normalised hidden states (B, T, dim). caches: one engine.KVCache per layer,
+        holding the positions before start_pos. start_pos: the position of idx[:, 0], or a (B,) tensor of each
+        row's position when every row decodes one token at its own (T == 1)."""
         T = idx.size(1)
         if isinstance(start_pos, int):
             if start_pos + T > self.config.max_seq_len:
                 raise ValueError(f"sequence of {start_pos + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
-            if start_pos > 0 and T > 1:
-                raise ValueError("with a KV cache, only the prefill (start_pos 0) may feed more than one token")
+            if start_pos > 0 and not caches:
+                raise ValueError("start_pos > 0 continues the positions held in KV caches")
             cos, sin = self.rope_cos[start_pos : start_pos + T], self.rope_sin[start_pos : start_pos + T]
         else:
             if T != 1 or not caches:
@@ -274,8 +248,8 @@ class Transformer(nn.Module):
                 x = layer(x, cos, sin, caches[i] if caches else None, start_pos)
         return self.norm(x)
 
-    def forward(self, idx, targets=None, loss_mask=None, reduction: str = "mean",
-                caches: list[KVCache] | None = None, start_pos: int | torch.Tensor = 0):
+    def forward(self, idx, targets=None, loss_mask=None, reduction: str = "mean", caches: list | None = None,
+                start_pos: int | torch.Tensor = 0):
         """With targets (B, T): (logits (B, T, V) float32, loss). loss is the mean cross-entropy over positions
         where loss_mask is 1 (all positions when it is None); with reduction="sum" their sum, with
         reduction="none" the per-token cross-entropy (B, T), unmasked.
@@ -294,39 +268,6 @@ class Transformer(nn.Module):
         # clamp: a batch with nothing to learn gives loss 0 (and zero gradients), never 0/0 = NaN
         return logits, (ce * loss_mask).sum() / loss_mask.sum().clamp(min=1)
 
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens: int, **sampling):
-        """Prompt (B, T) -> prompt followed by max_new_tokens tokens (fewer if every row hit eos_id). See stream()."""
-        return torch.cat([idx, *self.stream(idx, max_new_tokens, **sampling)], dim=1)
-
-    @torch.no_grad()
-    def stream(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-               top_p: float | None = None, repetition_penalty: float = 1.0, eos_id: int | None = None,
-               use_cache: bool = True):
-        """Yield the next token of every row, (B, 1), one step at a time; temperature 0 is greedy.
-        A row that has produced eos_id keeps yielding eos_id; the stream ends when all rows have.
-        use_cache=False recomputes the whole prefix every step (the reference the cache is tested against)."""
-        B, T = idx.shape
-        total = T + max_new_tokens
-        if total > self.config.max_seq_len:
-            raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds "
-                             f"max_seq_len={self.config.max_seq_len}")
-        caches = [KVCache(B, total) for _ in self.layers] if use_cache else None
-        seq = idx.new_empty(B, total)  # prompt + generated ids, for the uncached path and the repetition penalty
-        seq[:, :T] = idx
-        done = torch.zeros(B, dtype=torch.bool, device=idx.device)
-        logits, _ = self(idx, caches=caches)  # prefill
-        for t in range(T, total):
-            next_id = sample_next(logits[:, -1], seq[:, :t], temperature, top_k, top_p, repetition_penalty)
-            if eos_id is not None:
-                next_id = next_id.masked_fill(done[:, None], eos_id)
-                done |= next_id[:, 0] == eos_id
-            seq[:, t : t + 1] = next_id
-            yield next_id
-            if t + 1 == total or (eos_id is not None and done.all()):  # host sync once per token: fine when sampling
-                return
-            logits, _ = self(next_id, caches=caches, start_pos=t) if use_cache else self(seq[:, : t + 1])
-
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # a tied weight is one parameter, counted once
 
@@ -341,41 +282,3 @@ class Transformer(nn.Module):
         # forward; the mean of t over the sequence is seq_len / 2
         attention = 2 * self.config.n_layers * self.config.n_heads * self.config.head_dim * seq_len
         return 3 * (2 * n + attention)
-
-    def configure_optimizers(self, weight_decay: float, lr: float, betas: tuple[float, float], device_type: str):
-        """AdamW; weight decay on matmul weights and the embedding (>= 2-D), not on norm gains."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        # fused: one kernel for all parameters (on the CPU too, faster than foreach), and it can skip a whole
-        # update on the device (train_utils.NonFiniteGuard)
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type in ("cuda", "cpu"))
-
-
-MIN_TEMPERATURE = 1e-5  # sampling at a lower temperature is greedy
-
-
-def sample_next(logits, history, temperature: float, top_k: int | None, top_p: float | None,
-                repetition_penalty: float, generator: torch.Generator | None = None):
-    """Pick the next id (B, 1) from last-position logits (B, V) given the ids so far (B, T); random draws come
-    from generator (default: torch's global one)."""
-    logits = logits.float()
-    if repetition_penalty != 1.0:
-        # CTRL's penalty on every id already in the sequence: shrink positive logits, push negative ones down
-        seen = logits.gather(1, history)
-        logits = logits.scatter(1, history, torch.where(seen > 0, seen / repetition_penalty, seen * repetition_penalty))
-    if temperature < MIN_TEMPERATURE:  # 0 means greedy; far below, logits / temperature overflows to inf - inf = nan
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        # nucleus: keep the most likely ids until their mass reaches top_p (the first id always stays)
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        drop = probs.cumsum(dim=-1) - probs >= top_p
-        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.multinomial(logits.softmax(dim=-1), num_samples=1, generator=generator)

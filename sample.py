@@ -13,24 +13,9 @@ import sys
 
 import torch
 
-from data import encode_chat
-from model import Transformer
-from train_utils import ConfigError, checkpoint_tokenizer, cli, model_from_checkpoint
-
-
-def load_model(path: str, device: str = "cpu") -> tuple[Transformer, dict]:
-    """An eval-mode model from a checkpoint, and the checkpoint (its stage, config and tokenizer)."""
-    model, state = model_from_checkpoint(path, device)
-    return model.eval(), state
-
-
-def prompt_ids(tokenizer, history: list[dict], user: str, system: str | None, max_len: int, chat: bool) -> list[int]:
-    """The ids to generate from: the whole conversation in the chat template (earliest turns dropped when it
-    does not fit in max_len), or for a pretraining checkpoint just <s> and the text."""
-    if not chat:
-        return ([tokenizer.bos_id] + tokenizer.encode(user))[-max_len:]
-    ids, _ = encode_chat(tokenizer, history + [{"role": "user", "content": user}], system, max_len=max_len)
-    return ids
+from checkpoint import load_model
+from engine import Sampling, TextStream, generate, prompt_ids
+from errors import ConfigError, cli
 
 
 def prompt_budget(max_seq_len: int, max_new_tokens: int | None) -> int:
@@ -44,34 +29,31 @@ def prompt_budget(max_seq_len: int, max_new_tokens: int | None) -> int:
     return max_seq_len - max_new_tokens
 
 
-def respond(model, tokenizer, ids: list[int], args, out=None) -> str:
+def respond(model, tokenizer, ids: list[int], args, out=None, generator: torch.Generator | None = None) -> str:
     """Generate an answer to ids, streaming its text to out (if given); returns the text without the template's
-    surrounding spaces. Ctrl-C stops the answer early."""
-    device = next(model.parameters()).device
+    surrounding spaces. Ctrl-C stops the answer early. generator: the random draws (None: torch's global one)."""
     max_new_tokens = args.max_new_tokens or model.config.max_seq_len - len(ids)
-    new: list[int] = []
-    shown = ""
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty, generator)
+    text = TextStream(tokenizer)
     try:
-        for token in model.stream(torch.tensor([ids], device=device), max_new_tokens, temperature=args.temperature,
-                                  top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                                  eos_id=tokenizer.eos_id):
-            if token.item() == tokenizer.eos_id:
+        for (row,) in generate(model, [ids], max_new_tokens, sampling, tokenizer.eos_id):
+            if row.finish_reason == "stop":  # its end of turn
                 break
-            new.append(token.item())
-            text = tokenizer.decode(new).lstrip(" ")
-            if out is not None and not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                out.write(text[len(shown):])
+            new = text.add(row.tokens[-1])
+            if out is not None and new:
+                out.write(new)
                 out.flush()
-                shown = text
     except KeyboardInterrupt:
         if out is not None:
             out.write(" [interrupted]")
+    rest = text.finish()
     if out is not None:
-        out.write("\n")
-    return tokenizer.decode(new).strip(" ")
+        out.write(rest + "\n")
+    return text.sent
 
 
-def chat_loop(model, tokenizer, args, chat: bool, read=input, out=sys.stdout) -> list[dict]:
+def chat_loop(model, tokenizer, args, chat: bool, read=input, out=sys.stdout,
+              generator: torch.Generator | None = None) -> list[dict]:
     """Read a line, answer it, repeat; Ctrl-D or Ctrl-C at the prompt ends. Returns the conversation."""
     history: list[dict] = []
     budget = prompt_budget(model.config.max_seq_len, args.max_new_tokens)
@@ -84,7 +66,8 @@ def chat_loop(model, tokenizer, args, chat: bool, read=input, out=sys.stdout) ->
         if not user:
             continue
         out.write("bot> ")
-        answer = respond(model, tokenizer, prompt_ids(tokenizer, history, user, args.system, budget, chat), args, out)
+        ids = prompt_ids(tokenizer, history + [{"role": "user", "content": user}] if chat else user, args.system, budget)
+        answer = respond(model, tokenizer, ids, args, out, generator)
         if chat:
             history += [{"role": "user", "content": user}, {"role": "assistant", "content": answer or "..."}]
 
@@ -109,17 +92,17 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
-    torch.manual_seed(args.seed)
-    model, state = load_model(args.ckpt, args.device)
-    tokenizer = checkpoint_tokenizer(state, args.tokenizer_path)
+    model, tokenizer, state = load_model(args.ckpt, args.device, args.tokenizer_path)
+    generator = torch.Generator(args.device).manual_seed(args.seed)
     chat = state["stage"] != "pretrain"
     budget = prompt_budget(model.config.max_seq_len, args.max_new_tokens)
     if args.prompt is not None:
-        respond(model, tokenizer, prompt_ids(tokenizer, [], args.prompt, args.system, budget, chat), args, sys.stdout)
+        message = [{"role": "user", "content": args.prompt}] if chat else args.prompt
+        respond(model, tokenizer, prompt_ids(tokenizer, message, args.system, budget), args, sys.stdout, generator)
         return
     mode = f"chat in the {tokenizer.chat_template} template" if chat else "plain continuation"
     print(f"{state['stage']} checkpoint {args.ckpt}: {mode}; Ctrl-C stops an answer, Ctrl-D or Ctrl-C at the prompt quits")
-    chat_loop(model, tokenizer, args, chat)
+    chat_loop(model, tokenizer, args, chat, generator=generator)
 
 
 if __name__ == "__main__":

@@ -31,10 +31,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from data import DataError, encode_chat
-from model import KVCache, sample_next
-from sample import load_model
-from train_utils import ConfigError, checkpoint_tokenizer, cli
+from checkpoint import load_model
+from engine import Engine, Row, Sampling, TextStream, prompt_ids
+from errors import ConfigError, DataError, cli
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -125,13 +124,13 @@ def sampling_options(body: dict, endpoint: str, model_id: str) -> dict:
                             "of them", "stop")
     seed = get(body, "seed", int, secrets.randbits(63))
     stream_options = get(body, "stream_options", dict, {})
-    return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "stop": stop,
-            "generator": torch.Generator().manual_seed(seed), "stream": get(body, "stream", bool, False),
+    sampling = Sampling(temperature, top_p=top_p, generator=torch.Generator().manual_seed(seed))
+    return {"max_tokens": max_tokens, "sampling": sampling, "stop": stop, "stream": get(body, "stream", bool, False),
             "include_usage": get(stream_options, "include_usage", bool, False)}
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """OpenAI messages -> the messages data.encode_chat takes: content given as text parts is joined."""
+    """OpenAI messages -> the messages chat.encode_chat takes: content given as text parts is joined."""
     messages = get(body, "messages", list)
     if not messages:
         raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
@@ -150,123 +149,48 @@ def chat_messages(body: dict) -> list[dict]:
 
 
 # -----------------------------------------------------------------------------
-# generation: a job per request, the engine that decodes every job in one batch
+# generation: a job per request, one engine thread that decodes every job in one batch
 
-class TextStream:
-    """A job's token ids -> the text its client may be sent so far: never half a multi-byte character (it waits
-    for the rest), never the beginning of what may still become a stop string, nor the stop string and what
-    follows. A chat answer loses the template's spaces around it (as sample.py shows it)."""
+class Job(Row):
+    """One request's row in the engine. The HTTP thread reads `events`: (text, None) as the answer grows, then
+    (text, finish_reason); ("", "error") when generation failed. Setting `cancelled` takes it out of the batch."""
 
-    def __init__(self, tokenizer, stop: list[str], strip: bool):
-        self.tokenizer, self.stop, self.strip = tokenizer, stop, strip
-        self.borders = [borders(s) for s in stop]
-        self.ids: list[int] = []
-        self.sent = ""
-        self.stopped = False
-        self.waited = 0  # tokens held back in a row for an incomplete character; 4 means it never completes
-
-    def add(self, token: int) -> str:
-        """The next new text after token (maybe ""); sets stopped when a stop string appears."""
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        text = text.lstrip(" ") if self.strip else text
-        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if found:
-            self.stopped = True
-            return self.send(text[: min(found)].rstrip(" ") if self.strip else text[: min(found)])
-        self.waited += 1
-        if text.endswith("\ufffd") and self.waited < 4:  # a cut character: its other (at most 3) bytes come next
-            return ""
-        self.waited = 0
-        held = max([overlap(text, s, b) for s, b in zip(self.stop, self.borders)], default=0)
-        if self.strip:
-            held = max(held, len(text) - len(text.rstrip(" ")))
-        return self.send(text[: len(text) - held])
-
-    def finish(self) -> str:
-        """The rest of the text, when the answer ends without a stop string."""
-        text = self.tokenizer.decode(self.ids)
-        return self.send(text.strip(" ") if self.strip else text)
-
-    def send(self, text: str) -> str:
-        new = text[len(self.sent):] if text.startswith(self.sent) else ""
-        self.sent += new
-        return new
-
-
-def borders(s: str) -> list[int]:
-    """KMP's table: borders[i] = the length of the longest proper prefix of s[: i + 1] that also ends it."""
-    table, k = [0] * len(s), 0
-    for i in range(1, len(s)):
-        while k and s[i] != s[k]:
-            k = table[k - 1]
-        k += s[i] == s[k]
-        table[i] = k
-    return table
-
-
-def overlap(text: str, stop: str, table: list[int]) -> int:
-    """The length of the longest proper prefix of stop that text ends with: KMP over text's last len(stop) - 1
-    characters, so linear in len(stop) where trying every prefix would be quadratic."""
-    k = 0
-    for c in text[max(0, len(text) - len(stop) + 1):]:
-        while k and c != stop[k]:
-            k = table[k - 1]
-        k += c == stop[k]
-    return k
-
-
-class Job:
-    """One request in the engine. The HTTP thread reads `events`: (text, None) as the answer grows, then
-    (text, finish_reason); ("", "error") when the engine failed. Setting `cancelled` takes it out of the batch."""
-
-    def __init__(self, prompt: list[int], max_new: int, options: dict, text: TextStream):
-        self.prompt, self.max_new, self.text = prompt, max_new, text
-        self.temperature, self.top_p, self.generator = options["temperature"], options["top_p"], options["generator"]
-        self.generated: list[int] = []
+    def __init__(self, prompt: list[int], max_new: int, sampling: Sampling, eos_id: int, text: TextStream):
+        super().__init__(prompt, max_new, sampling, eos_id)
+        self.text = text
         self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.finish_reason: str | None = None
         self.cancelled = False
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None or self.cancelled
 
-    @property
-    def cached(self) -> int:
-        """Positions held in the KV cache: the prompt and every generated token but the last (not yet fed)."""
-        return len(self.prompt) + len(self.generated) - 1
-
-    def fail(self):
-        self.finish_reason = "error"
-        self.events.put(("", "error"))
-
-    def take(self, token: int, eos_id: int):
-        """Record the next token and tell the client what it adds."""
-        self.generated.append(token)
-        if token == eos_id:
-            self.finish_reason = "stop"
+    def append(self, token: int):
+        """Record the next token and tell the client what it adds; a stop string ends the row."""
+        super().append(token)
+        if token == self.eos_id:
             self.events.put((self.text.finish(), "stop"))
             return
         new = self.text.add(token)
         if self.text.stopped:
             self.finish_reason = "stop"
-        elif len(self.generated) == self.max_new:
-            self.finish_reason = "length"
+        elif self.finish_reason == "length":
             new += self.text.finish()
         self.events.put((new, self.finish_reason))
 
+    def fail(self, error: Exception):
+        super().fail(error)
+        traceback.print_exception(error)
+        self.events.put(("", "error"))
 
-class Engine:
-    """Owns the model. Each step admits the waiting jobs there is room for (each prefilled alone, then copied into
-    the next row of the batch's KV cache), decodes one token for every row together, and drops the rows that are
-    done, moving the last row into a freed one so the batch stays rows 0..n-1."""
 
-    def __init__(self, model, eos_id: int, max_batch: int):
-        self.model, self.eos_id, self.max_batch = model, eos_id, max_batch
-        self.device = next(model.parameters()).device
-        self.caches = [KVCache(max_batch, model.config.max_seq_len) for _ in model.layers]
-        self.rows: list[Job] = []  # row i of the caches holds rows[i]
+class Scheduler:
+    """The engine's thread. Each round it admits the waiting jobs there is room for (each prefilled alone: one
+    prompt length), decodes one token for every row of the batch, and lets the rows that are done, or whose
+    client left, go."""
+
+    def __init__(self, model, max_batch: int):
+        self.engine = Engine(model, max_batch)
         self.waiting: queue.Queue = queue.Queue()
         self.generated = 0  # tokens generated since the start, for /health
 
@@ -282,62 +206,25 @@ class Engine:
     def loop(self):
         while True:
             try:
-                with torch.inference_mode():
-                    self.step()
-            except Exception:  # a bug: fail the jobs in flight, keep serving the next ones
+                self.step()
+            except Exception as e:  # a bug: fail the jobs in flight, keep serving the next ones
                 traceback.print_exc()
-                for job in self.rows:
-                    job.fail()
-                self.rows = []
+                for job in self.engine.rows:
+                    job.fail(e)
+                self.engine.rows = []
 
     def step(self):
-        while len(self.rows) < self.max_batch:
+        while len(self.engine.rows) < self.engine.max_batch:
             try:
-                job = self.waiting.get(block=not self.rows)  # idle: sleep until a request comes
+                job = self.waiting.get(block=not self.engine.rows)  # idle: sleep until a request comes
             except queue.Empty:
                 break
             if not job.cancelled:
-                self.admit(job)
-        self.drop_done()
-        if not self.rows:
-            return
-        tokens = torch.tensor([[job.generated[-1]] for job in self.rows], device=self.device)  # (n, 1)
-        positions = [job.cached for job in self.rows]  # each row's own
-        caches = [cache.prefix(max(positions) + 1) for cache in self.caches]  # keys up to the longest row only
-        logits, _ = self.model(tokens, caches=caches, start_pos=torch.tensor(positions, device=self.device))
-        for job, row_logits in zip(self.rows, logits[:, -1]):
-            self.advance(job, row_logits)
-        self.generated += len(self.rows)
-        self.drop_done()
-
-    def admit(self, job: Job):
-        n = len(job.prompt)
-        alone = [KVCache(1, n) for _ in self.model.layers]
-        logits, _ = self.model(torch.tensor([job.prompt], device=self.device), caches=alone)  # the prefill
-        for cache, own in zip(self.caches, alone):
-            cache.copy_row(len(self.rows), own, 0, n)
-        self.rows.append(job)
-        self.advance(job, logits[0, -1])
-        self.generated += 1
-
-    def advance(self, job: Job, logits):
-        """Sample the job's next token and hand it over; a failure here fails this row alone."""
-        try:
-            # history None: no repetition penalty, which is the only reader of the ids so far
-            token = sample_next(logits[None], None, job.temperature, None, job.top_p, 1.0, job.generator).item()
-            job.take(token, self.eos_id)
-        except Exception:
-            traceback.print_exc()
-            job.fail()
-
-    def drop_done(self):
-        for i in reversed(range(len(self.rows))):  # rows after i are live by now: the last may move into i
-            if self.rows[i].done:
-                last = self.rows.pop()
-                if i < len(self.rows):
-                    for cache in self.caches:
-                        cache.copy_row(i, cache, len(self.rows), last.cached)
-                    self.rows[i] = last
+                self.engine.add([job])
+                self.generated += 1
+        self.engine.drop_done()  # the jobs cancelled meanwhile
+        self.generated += len(self.engine.rows)
+        self.engine.step()
 
 
 # -----------------------------------------------------------------------------
@@ -347,9 +234,8 @@ class App:
     """What every request handler shares: the tokenizer, the engine, the key, the limits, the page."""
 
     def __init__(self, args):
-        model, state = load_model(args.ckpt, args.device)
+        model, self.tokenizer, state = load_model(args.ckpt, args.device, args.tokenizer_path)  # and its template
         self.stage = state["stage"]
-        self.tokenizer = checkpoint_tokenizer(state, args.tokenizer_path)  # and with it the chat template
         self.max_seq_len = model.config.max_seq_len
         # a name, not the checkpoint's path: /health answers anyone
         self.model_id, self.created = args.model_name or f"nanomind-{self.stage}", int(os.path.getmtime(args.ckpt))
@@ -358,33 +244,34 @@ class App:
         # on a loopback address only loopback names: a web page whose name rebinds to 127.0.0.1 sends its own name
         checked = args.host in LOOPBACK or args.allowed_hosts
         self.hosts = {h.lower() for h in (*LOOPBACK, *args.allowed_hosts)} if checked else None
-        self.engine = Engine(model, self.tokenizer.eos_id, args.max_batch)
-        self.engine.start()
+        self.scheduler = Scheduler(model, args.max_batch)
+        self.scheduler.start()
         with open(PAGE, "rb") as f:
             self.page = f.read()
 
     def submit(self, endpoint: str, body: dict) -> tuple[Job, dict]:
-        """Check a request, build its prompt (chat: data.encode_chat, the format training used; completion:
-        <s> and the text, as sample.py continues it) and queue its job."""
+        """Check a request, build its prompt (chat: the chat template, the format training used; completion: <s>
+        and the text, as sample.py continues it) and queue its job."""
         options = sampling_options(body, endpoint, self.model_id)
         if endpoint == "chat":
             param = "messages"
             try:
-                prompt, _ = encode_chat(self.tokenizer, chat_messages(body))
+                prompt = prompt_ids(self.tokenizer, chat_messages(body))
             except DataError as e:
                 raise APIError(400, f"messages: {e}", param) from None
         else:
             param, text = "prompt", get(body, "prompt", str)
             if text is None:
                 raise APIError(400, "'prompt' (a string) is required", param)
-            prompt = [self.tokenizer.bos_id] + self.tokenizer.encode(text)
+            prompt = prompt_ids(self.tokenizer, text)
         room = self.max_seq_len - len(prompt)
         if room < 1:
             raise APIError(400, f"the prompt is {len(prompt)} tokens, and this model's context is {self.max_seq_len} "
                                 "tokens including the answer", param, "context_length_exceeded")
         max_new = min(options["max_tokens"] or room, room)  # the context running out ends it with "length"
-        job = Job(prompt, max_new, options, TextStream(self.tokenizer, options["stop"], strip=endpoint == "chat"))
-        self.engine.submit(job)
+        job = Job(prompt, max_new, options["sampling"], self.tokenizer.eos_id,
+                  TextStream(self.tokenizer, options["stop"], strip=endpoint == "chat"))
+        self.scheduler.submit(job)
         return job, options
 
 
@@ -425,8 +312,9 @@ class Handler(BaseHTTPRequestHandler):
             if name == "page":
                 self.send(200, app.page, "text/html; charset=utf-8")
             elif name == "health":
-                self.send_json(200, {"status": "ok", "model": app.model_id, "running": len(app.engine.rows),
-                                     "waiting": app.engine.waiting.qsize(), "generated_tokens": app.engine.generated})
+                scheduler = app.scheduler
+                self.send_json(200, {"status": "ok", "model": app.model_id, "running": len(scheduler.engine.rows),
+                                     "waiting": scheduler.waiting.qsize(), "generated_tokens": scheduler.generated})
             elif name == "models":
                 self.send_json(200, {"object": "list", "data": [{"id": app.model_id, "object": "model",
                                                                  "created": app.created, "owned_by": "nanomind"}]})
@@ -602,8 +490,8 @@ class Handler(BaseHTTPRequestHandler):
 
 def usage(job: Job) -> dict:
     """Token counts: the prompt as encoded, and every token generated, the end-of-turn token included."""
-    return {"prompt_tokens": len(job.prompt), "completion_tokens": len(job.generated),
-            "total_tokens": len(job.prompt) + len(job.generated)}
+    return {"prompt_tokens": len(job.prompt), "completion_tokens": len(job.tokens),
+            "total_tokens": len(job.prompt) + len(job.tokens)}
 
 
 class Server(ThreadingHTTPServer):

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import tiktoken
 
+from errors import TokenizerError
+
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "[INST]", "[/INST]", "<<SYS>>", "<</SYS>>"]
 CHAT_TOKENS = SPECIAL_TOKENS[3:]
 DEFAULT_DIR = Path(__file__).resolve().parent / "tokenizer"
@@ -98,10 +100,6 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
-
-
-class TokenizerError(ValueError):
-    """A tokenizer file that cannot be loaded; the message names it."""
 
 
 def _fingerprint(*files: Path) -> str:

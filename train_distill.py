@@ -13,43 +13,19 @@ T > 1 shows the student how the teacher ranks the unlikely tokens too; T^2 keeps
 scale of the cross-entropy's as T grows. The teacher runs in eval mode, without gradients, in the run's autocast
 dtype. The student starts fresh from the model keys (as in pretraining) or from init_from.
 """
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 
-import train_pretrain
-import train_sft
-from data import load_tokenizer
+from checkpoint import EarlyStopping, checkpoint_to_resume, model_from_checkpoint, prepare_training
+from config import DistillConfig, load_config
+from data import pretrain_loaders, sft_loaders
+from errors import ConfigError, cli
+from losses import evaluate, perplexity
+from metrics import MetricsLog, StepTimer, start_profiler
 from model import ModelConfig, Transformer
-from train_utils import (ConfigError, EarlyStopping, MetricsLog, StepTimer, StopSignal, TrainConfig, all_reduce_mean,
-                         all_reduce_sum, checkpoint_to_resume, cli, clip_gradients, evaluate, get_lr, load_config,
-                         model_from_checkpoint, perplexity, prepare_training, print0, print_run, schedule_length,
-                         set_lr, setup, start_profiler, teardown, wrap)
-
-
-@dataclasses.dataclass
-class Config(TrainConfig):
-    # --- I/O
-    out_dir: str = "out/distill"
-    teacher: str = "out/pretrain/best.pt"  # the trained checkpoint to learn from; its tokenizer must be this run's
-    init_from: str | None = None  # the student's starting checkpoint; None: a fresh model from the model keys
-    # --- data
-    data_path: str = "data/pretrain_hq.jsonl"  # pretraining documents or SFT conversations (data_kind); glob / list
-    data_kind: str = "pretrain"  # pretrain: loss on every token | sft: loss on the assistant's tokens only
-    skip_bad: bool = False  # sft: skip (and count) malformed records instead of stopping at the first
-    # --- distillation: loss = alpha * T^2 * KL(teacher || student at temperature T) + (1 - alpha) * cross-entropy
-    alpha: float = 0.5  # weight of the teacher's soft targets; 0: plain cross-entropy training
-    temperature: float = 2.0  # T: above 1 the teacher's distribution spreads, showing its ranking of unlikely tokens
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.data_kind not in ("pretrain", "sft"):
-            raise ConfigError(f"config key 'data_kind' must be pretrain or sft, got {self.data_kind!r}")
-        if not 0 <= self.alpha <= 1:
-            raise ConfigError(f"config key 'alpha' must be between 0 and 1, got {self.alpha}")
-        if self.temperature <= 0:
-            raise ConfigError(f"config key 'temperature' must be above 0, got {self.temperature}")
+from optim import get_lr, schedule_length, set_lr
+from runtime import StopSignal, all_reduce_mean, all_reduce_sum, print0, print_run, setup, teardown, wrap
+from tokenizer import load_tokenizer
 
 
 ARCHITECTURE = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "ffn_dim", "rope_theta",
@@ -95,13 +71,6 @@ def load_teacher(cfg, student: Transformer, run) -> Transformer:
     return teacher.eval().requires_grad_(False)
 
 
-def load_data(cfg, model_cfg, run):
-    """Pretraining windows or SFT conversations of the model's max_seq_len, as those stages read them."""
-    if cfg.data_kind == "pretrain":
-        return train_pretrain.load_data(cfg, model_cfg, run)
-    return train_sft.load_data(cfg, model_cfg, run, max_seq_len=model_cfg.max_seq_len)
-
-
 def validation_metrics(model, teacher, val_loader, cfg, run) -> dict[str, float]:
     """val_loss: the student's cross-entropy (comparable with a student trained without a teacher), val_kl: its
     KL from the teacher at temperature T, both per loss-carrying token, on the first eval_steps batches."""
@@ -119,7 +88,7 @@ def validation_metrics(model, teacher, val_loader, cfg, run) -> dict[str, float]
 
 
 def main(argv: list[str]):
-    cfg, model_cfg = load_config(argv, Config, ModelConfig)  # the student's keys are ModelConfig's (model.py)
+    cfg, model_cfg = load_config(argv, DistillConfig, ModelConfig)  # the student's keys are ModelConfig's (model.py)
     run = setup(cfg.device, cfg.dtype, cfg.seed)
     model = student_model(cfg, model_cfg, run)
     model_cfg = model.config
@@ -127,7 +96,10 @@ def main(argv: list[str]):
     print_run(cfg, model_cfg, run)
     print0(f"student {model.num_params():,} parameters, teacher {teacher.num_params():,}")
     resume_from = checkpoint_to_resume(cfg)
-    loader, val_loader = load_data(cfg, model_cfg, run)
+    tokenizer = load_tokenizer(cfg.tokenizer_path)
+    # pretraining windows or SFT conversations of the model's max_seq_len, as those stages read them
+    make_loaders = pretrain_loaders if cfg.data_kind == "pretrain" else sft_loaders
+    loader, val_loader = make_loaders(cfg, tokenizer, model_cfg.max_seq_len, run)
     max_steps, warmup_steps, _ = schedule_length(cfg, loader, val_loader, run)
 
     best = EarlyStopping()  # no patience: it only tracks the best validation loss
@@ -163,9 +135,13 @@ def main(argv: list[str]):
             timer.count(X, raw_model.flops_per_token(X.size(1)) + teacher.flops_per_token(X.size(1)) / 3)
         with timer.phase("optimizer"):
             loss, kl, ce = all_reduce_mean(sums, run)  # all ranks must step, or skip, alike
-            grad_norm = clip_gradients(model, optimizer, scaler, cfg.max_grad_norm)
+            scaler.unscale_(optimizer)  # float16: clip the true gradients, not the scaled ones
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
             log.grad_flow(step + 1, raw_model, cfg.grad_log_interval)
-            guard.step(optimizer, scaler, loss, grad_norm)  # a NaN/Inf update is skipped
+            guard.check(loss, grad_norm, optimizer)  # a NaN/Inf loss or gradient: this step is skipped
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
         step += 1
         if profiler:
             profiler.step()

@@ -9,7 +9,6 @@ The loss of a pair (Rafailov et al. 2023), with pi = log p_policy(answer | promp
 reference model, and the sums running over the answer's tokens (its </s> included, the prompt excluded):
     loss = -log sigmoid(beta * ((pi_chosen - ref_chosen) - (pi_rejected - ref_rejected)))
 """
-import dataclasses
 import hashlib
 import math
 import os
@@ -20,58 +19,19 @@ import torch
 import torch.nn.functional as F
 
 import lora
-from data import DPOData, Loader, expand_paths, file_digest, load_split, load_tokenizer
-from train_utils import (ConfigError, EarlyStopping, FinetuneConfig, MetricsLog, StepTimer, StopSignal, all_reduce_mean,
-                         bits_per_byte, checkpoint_to_resume, cli, clip_gradients, count_token_bytes, evaluate,
-                         finetune_model, get_lr, load_config, lm_sums, model_from_checkpoint, prepare_training, print0,
-                         print_run, schedule_length, set_lr, setup, start_profiler, teardown, wrap)
-
-
-@dataclasses.dataclass
-class Config(FinetuneConfig):
-    # --- I/O
-    out_dir: str = "out/dpo"
-    init_from: str = "out/sft/best.pt"  # the policy starts here
-    ref_from: str | None = None  # the frozen reference; None: init_from
-    # --- data
-    data_path: str = "data/dpo.jsonl"  # JSONL {"prompt", "chosen", "rejected"} or message lists; or a glob / comma list
-    max_prompt_length: int | None = None  # longer prompts lose their beginning; None: half of max_seq_len + 1
-    max_completion_length: int | None = None  # longer answers lose their end; None: the rest of max_seq_len + 1
-    # --- DPO
-    beta: float = 0.5  # how far the policy may move from the reference; larger = closer
-    length_norm: bool = True  # mean log-prob per answer token (fair between long and short answers); False: sum
-    precompute_ref: bool = False  # reference log-probs once, before training (cached beside the data)
-    # --- training length
-    batch_size: int = 16  # pairs per rank; each step runs 2 x batch_size sequences
-    epochs: int = 2
-    # --- optimizer: AdamW, weight decay on matrices only
-    lr: float = 5e-6
-    min_lr: float = 5e-7
-    weight_decay: float = 0.0
-    # --- schedule: linear warmup to lr, cosine decay to min_lr, stepped once per optimizer step
-    warmup_steps: int = 100
+from checkpoint import EarlyStopping, checkpoint_to_resume, finetune_model, model_from_checkpoint, prepare_training
+from config import DPOConfig, load_config
+from data import Loader, dpo_loaders
+from errors import cli
+from losses import bits_per_byte, count_token_bytes, evaluate, lm_sums, sequence_logprobs
+from metrics import MetricsLog, StepTimer, start_profiler
+from optim import get_lr, schedule_length, set_lr
+from runtime import StopSignal, all_reduce_mean, print0, print_run, setup, teardown, wrap
+from token_cache import expand_paths, file_digest
+from tokenizer import load_tokenizer
 
 
 METRICS = ["reward_margin", "reward_acc", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp"]
-
-
-def fit_lengths(cfg, max_seq_len: int):
-    """cfg with max_prompt_length and max_completion_length as set, or splitting the model's max_seq_len + 1."""
-    prompt = cfg.max_prompt_length or (max_seq_len + 1) // 2
-    completion = cfg.max_completion_length or max_seq_len + 1 - prompt
-    if prompt + completion > max_seq_len + 1:
-        raise ConfigError(f"max_prompt_length + max_completion_length = {prompt + completion} exceeds the model's "
-                          f"max_seq_len + 1 = {max_seq_len + 1} ({cfg.init_from})")
-    return dataclasses.replace(cfg, max_prompt_length=prompt, max_completion_length=completion)
-
-
-def sequence_logprobs(model, X, Y, loss_mask, length_norm: bool) -> torch.Tensor:
-    """log p(answer | prompt) of every row, (n,): the per-token log-probs of the targets (log_softmax of the
-    logits at the target ids = minus the per-token cross-entropy), masked to the answer, summed over the
-    sequence; divided by the answer's length when length_norm. Calls model() itself, so DDP sees a forward."""
-    _, ce = model(X, Y, reduction="none")  # (n, T)
-    logps = (-ce * loss_mask).sum(dim=-1)
-    return logps / loss_mask.sum(dim=-1) if length_norm else logps
 
 
 def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float):
@@ -163,18 +123,6 @@ def validation_metrics(model, reference: Reference, val_loader, cfg, run, token_
     return {f"val_{k}": v for k, v in metrics.items()} | {"val_bpb": val_bpb}
 
 
-def load_data(cfg, run) -> tuple[Loader, Loader]:
-    """Training and validation pairs; rank 0 tokenises (or finds the cache) first."""
-    tokenizer = load_tokenizer(cfg.tokenizer_path)
-    with run.rank0_first("waiting for rank 0 to tokenise the data (or to find its cache)"):
-        train_records, val_records = load_split(cfg.data_path, cfg.val_data_path, cfg.val_fraction, tokenizer, "dpo",
-                                                max_prompt_length=cfg.max_prompt_length, skip_bad=cfg.skip_bad,
-                                                max_completion_length=cfg.max_completion_length, verbose=run.master)
-    loader_args = dict(pad_id=tokenizer.pad_id, device=run.device, seed=cfg.seed, rank=run.rank, world_size=run.world_size)
-    return (Loader(DPOData(train_records), cfg.batch_size, name="training pairs", **loader_args),
-            Loader(DPOData(val_records), cfg.batch_size, name="validation pairs", **loader_args))
-
-
 def make_reference(cfg, run, model, loader, val_loader) -> Reference:
     """The frozen reference (ref_from, else init_from): a second model; with LoRA and no ref_from, the policy
     model itself with its adapters off; with precompute_ref its log-probs of every pair, computed once by rank 0
@@ -189,14 +137,15 @@ def make_reference(cfg, run, model, loader, val_loader) -> Reference:
 
 
 def main(argv: list[str]):
-    (cfg,) = load_config(argv, Config)
+    (cfg,) = load_config(argv, DPOConfig)
     run = setup(cfg.device, cfg.dtype, cfg.seed)
     model = finetune_model(cfg, run)
     model_cfg = model.config
-    cfg = fit_lengths(cfg, model_cfg.max_seq_len)
+    cfg = cfg.fit_lengths(model_cfg.max_seq_len)
     print_run(cfg, model_cfg, run)
     resume_from = checkpoint_to_resume(cfg)
-    loader, val_loader = load_data(cfg, run)
+    tokenizer = load_tokenizer(cfg.tokenizer_path)
+    loader, val_loader = dpo_loaders(cfg, tokenizer, run)
     max_steps, warmup_steps, steps_per_epoch = schedule_length(cfg, loader, val_loader, run)
     reference = make_reference(cfg, run, model, loader, val_loader)
 
@@ -207,7 +156,7 @@ def main(argv: list[str]):
     log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
     timer = StepTimer(run, cfg.peak_flops, step, max_steps)
     watch = FailureWatch()
-    token_bytes = count_token_bytes(load_tokenizer(cfg.tokenizer_path))  # for val_bpb
+    token_bytes = count_token_bytes(tokenizer)  # for val_bpb
 
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
@@ -226,9 +175,13 @@ def main(argv: list[str]):
             timer.count(batch[0], raw_model.flops_per_token(batch[0].size(1)))
         with timer.phase("optimizer"):
             loss, *metrics = all_reduce_mean(sums / cfg.accum_steps, run)  # all ranks must step, or skip, alike
-            grad_norm = clip_gradients(model, optimizer, scaler, cfg.max_grad_norm)
+            scaler.unscale_(optimizer)  # float16: clip the true gradients, not the scaled ones
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
             log.grad_flow(step + 1, raw_model, cfg.grad_log_interval)
-            guard.step(optimizer, scaler, loss, grad_norm)  # a NaN/Inf update is skipped
+            guard.check(loss, grad_norm, optimizer)  # a NaN/Inf loss or gradient: this step is skipped
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
         step += 1
         if profiler:
             profiler.step()

@@ -4,48 +4,32 @@ Pretraining: next-token prediction on packed documents.
     python train_pretrain.py configs/26m.py --batch_size=32 --lr=3e-4        # one CPU or GPU
     torchrun --nproc_per_node=4 train_pretrain.py configs/26m.py             # DDP on 4 GPUs
     python train_pretrain.py --help                                          # every key, its default and meaning
-"""
-import dataclasses
 
+The keys are config.PretrainConfig's and the model's (model.ModelConfig).
+"""
 import torch
 
-from data import Loader, PretrainData, load_split, load_tokenizer
+from checkpoint import EarlyStopping, checkpoint_to_resume, prepare_training
+from config import PretrainConfig, load_config
+from data import pretrain_loaders
+from errors import ConfigError, cli
+from losses import count_token_bytes, perplexity, validation_loss
+from metrics import MetricsLog, StepTimer, start_profiler
 from model import ModelConfig, Transformer
-from train_utils import (ConfigError, EarlyStopping, MetricsLog, StepTimer, StopSignal, TrainConfig, all_reduce_mean,
-                         checkpoint_to_resume, cli, clip_gradients, count_token_bytes, get_lr, load_config, perplexity,
-                         prepare_training, print0, print_run, schedule_length, set_lr, setup, start_profiler, teardown,
-                         validation_loss, wrap)
-
-
-@dataclasses.dataclass
-class Config(TrainConfig):
-    # --- I/O
-    out_dir: str = "out/pretrain"
-    # --- data
-    data_path: str = "data/pretrain_hq.jsonl"  # JSONL {"text"} or .txt; or a glob / comma list, read as one
-
-
-def load_data(cfg, model_cfg, run) -> tuple[Loader, Loader]:
-    """Training and validation windows; rank 0 tokenises (or finds the cache) first, the other ranks then read it."""
-    tokenizer = load_tokenizer(cfg.tokenizer_path)
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but vocab_size is {model_cfg.vocab_size}")
-    with run.rank0_first("waiting for rank 0 to tokenise the data (or to find its cache)"):
-        train_records, val_records = load_split(cfg.data_path, cfg.val_data_path, cfg.val_fraction, tokenizer,
-                                                "pretrain", verbose=run.master)
-    loader_args = dict(pad_id=tokenizer.pad_id, device=run.device, seed=cfg.seed, rank=run.rank, world_size=run.world_size)
-    return (Loader(PretrainData(train_records, model_cfg.max_seq_len), cfg.batch_size, name="training windows",
-                   **loader_args),
-            Loader(PretrainData(val_records, model_cfg.max_seq_len), cfg.batch_size, name="validation windows",
-                   **loader_args))
+from optim import get_lr, schedule_length, set_lr
+from runtime import StopSignal, all_reduce_mean, print0, print_run, setup, teardown, wrap
+from tokenizer import load_tokenizer
 
 
 def main(argv: list[str]):
-    cfg, model_cfg = load_config(argv, Config, ModelConfig)  # the model's keys are ModelConfig's (model.py)
+    cfg, model_cfg = load_config(argv, PretrainConfig, ModelConfig)
     run = setup(cfg.device, cfg.dtype, cfg.seed)
     print_run(cfg, model_cfg, run)
     resume_from = checkpoint_to_resume(cfg)
-    loader, val_loader = load_data(cfg, model_cfg, run)
+    tokenizer = load_tokenizer(cfg.tokenizer_path)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but vocab_size is {model_cfg.vocab_size}")
+    loader, val_loader = pretrain_loaders(cfg, tokenizer, model_cfg.max_seq_len, run)
     max_steps, warmup_steps, _ = schedule_length(cfg, loader, val_loader, run)
 
     model = Transformer(model_cfg).to(run.device)
@@ -56,7 +40,7 @@ def main(argv: list[str]):
     raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
     log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
     timer = StepTimer(run, cfg.peak_flops, step, max_steps)
-    token_bytes = count_token_bytes(load_tokenizer(cfg.tokenizer_path))  # for val_bpb
+    token_bytes = count_token_bytes(tokenizer)  # for val_bpb
 
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
@@ -73,9 +57,13 @@ def main(argv: list[str]):
             timer.count(X, raw_model.flops_per_token(X.size(1)))
         with timer.phase("optimizer"):
             loss = all_reduce_mean(loss_sum / cfg.accum_steps, run)  # all ranks must step, or skip, alike
-            grad_norm = clip_gradients(model, optimizer, scaler, cfg.max_grad_norm)
+            scaler.unscale_(optimizer)  # float16: clip the true gradients, not the scaled ones
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
             log.grad_flow(step + 1, raw_model, cfg.grad_log_interval)
-            guard.step(optimizer, scaler, loss, grad_norm)  # a NaN/Inf update is skipped
+            guard.check(loss, grad_norm, optimizer)  # a NaN/Inf loss or gradient: this step is skipped
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
         step += 1
         if profiler:
             profiler.step()

@@ -3,60 +3,33 @@ Supervised fine-tuning: teach a pretrained model the chat template, with loss on
 
     python train_sft.py configs/sft_26m.py --init_from=out/pretrain/best.pt --data_path=sft_mini_512.jsonl
     python train_sft.py --help                                        # every key, its default and meaning
-"""
-import dataclasses
 
+The keys are config.SFTConfig's; the model is init_from's.
+"""
 import torch
 
-from data import Loader, SFTData, load_split, load_tokenizer
-from train_utils import (ConfigError, EarlyStopping, FinetuneConfig, MetricsLog, StepTimer, StopSignal, all_reduce_mean,
-                         all_reduce_sum, checkpoint_to_resume, cli, clip_gradients, count_token_bytes, get_lr,
-                         finetune_model, load_config, perplexity, prepare_training, print0, print_run, schedule_length,
-                         set_lr, setup, start_profiler, teardown, validation_loss, wrap)
-
-
-@dataclasses.dataclass
-class Config(FinetuneConfig):
-    # --- I/O
-    out_dir: str = "out/sft"
-    # --- data
-    data_path: str = "data/sft_mini_512.jsonl"  # JSONL {"conversations": [{"role", "content"}, ...]}; or a glob / comma list
-    max_seq_len: int = 512  # longer conversations lose their earliest turns
-    # --- training length
-    batch_size: int = 32  # per rank; batches pad to their longest conversation
-    epochs: int = 10  # an upper bound: early stopping usually ends it sooner
-    # --- optimizer: AdamW, weight decay on matrices only
-    lr: float = 2e-5
-    min_lr: float = 2e-6
-    weight_decay: float = 0.01
-    # --- schedule: linear warmup to lr, cosine decay to min_lr, stepped once per optimizer step
-    warmup_steps: int = 0
-    warmup_ratio: float | None = 0.05
-
-
-def load_data(cfg, model_cfg, run, max_seq_len: int | None = None) -> tuple[Loader, Loader]:
-    """Training and validation conversations of up to max_seq_len (default cfg.max_seq_len) + 1 tokens; rank 0
-    tokenises (or finds the cache) first."""
-    max_seq_len = max_seq_len or cfg.max_seq_len
-    if max_seq_len > model_cfg.max_seq_len:
-        raise ConfigError(f"max_seq_len {max_seq_len} exceeds the model's {model_cfg.max_seq_len} ({cfg.init_from})")
-    tokenizer = load_tokenizer(cfg.tokenizer_path)
-    with run.rank0_first("waiting for rank 0 to tokenise the data (or to find its cache)"):
-        train_records, val_records = load_split(cfg.data_path, cfg.val_data_path, cfg.val_fraction, tokenizer, "sft",
-                                                max_len=max_seq_len + 1, skip_bad=cfg.skip_bad, verbose=run.master)
-    loader_args = dict(pad_id=tokenizer.pad_id, device=run.device, seed=cfg.seed, rank=run.rank, world_size=run.world_size)
-    return (Loader(SFTData(train_records), cfg.batch_size, name="training conversations", **loader_args),
-            Loader(SFTData(val_records), cfg.batch_size, name="validation conversations", **loader_args))
+from checkpoint import EarlyStopping, checkpoint_to_resume, finetune_model, prepare_training
+from config import SFTConfig, load_config
+from data import sft_loaders
+from errors import ConfigError, cli
+from losses import count_token_bytes, perplexity, validation_loss
+from metrics import MetricsLog, StepTimer, start_profiler
+from optim import get_lr, schedule_length, set_lr
+from runtime import StopSignal, all_reduce_mean, all_reduce_sum, print0, print_run, setup, teardown, wrap
+from tokenizer import load_tokenizer
 
 
 def main(argv: list[str]):
-    (cfg,) = load_config(argv, Config)
+    (cfg,) = load_config(argv, SFTConfig)
     run = setup(cfg.device, cfg.dtype, cfg.seed)
     model = finetune_model(cfg, run)
     model_cfg = model.config
     print_run(cfg, model_cfg, run)
     resume_from = checkpoint_to_resume(cfg)
-    loader, val_loader = load_data(cfg, model_cfg, run)
+    if cfg.max_seq_len > model_cfg.max_seq_len:
+        raise ConfigError(f"max_seq_len {cfg.max_seq_len} exceeds the model's {model_cfg.max_seq_len} ({cfg.init_from})")
+    tokenizer = load_tokenizer(cfg.tokenizer_path)
+    loader, val_loader = sft_loaders(cfg, tokenizer, cfg.max_seq_len, run)
     max_steps, warmup_steps, steps_per_epoch = schedule_length(cfg, loader, val_loader, run)
 
     early = EarlyStopping(cfg.early_stopping_patience, cfg.early_stopping_threshold)
@@ -64,7 +37,7 @@ def main(argv: list[str]):
     step = checkpoints.resume(resume_from)
     raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
     log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
-    token_bytes = count_token_bytes(load_tokenizer(cfg.tokenizer_path))  # for val_bpb
+    token_bytes = count_token_bytes(tokenizer)  # for val_bpb
     if step == 0:  # the pretrained model on the validation conversations: what SFT improves on
         log.write({"step": 0, **validation_loss(raw_model, val_loader, cfg.eval_steps, run, token_bytes)})
     timer = StepTimer(run, cfg.peak_flops, step, max_steps)
@@ -88,9 +61,13 @@ def main(argv: list[str]):
             timer.count(X, raw_model.flops_per_token(X.size(1)))
         with timer.phase("optimizer"):
             loss = all_reduce_mean(loss_sum, run)  # = the whole step's sum / n_tokens, the same on every rank
-            grad_norm = clip_gradients(model, optimizer, scaler, cfg.max_grad_norm)
+            scaler.unscale_(optimizer)  # float16: clip the true gradients, not the scaled ones
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
             log.grad_flow(step + 1, raw_model, cfg.grad_log_interval)
-            guard.step(optimizer, scaler, loss, grad_norm)  # a NaN/Inf update is skipped
+            guard.check(loss, grad_norm, optimizer)  # a NaN/Inf loss or gradient: this step is skipped
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
         step += 1
         if profiler:
             profiler.step()

@@ -19,6 +19,16 @@ def demo_dir(tmp_path_factory):
     return out
 
 
+def greedy_alone(model, prompt: list[int], max_new: int, eos_id: int | None = None) -> list[int]:
+    """The model's greedy continuation of one prompt, generated alone: up to max_new ids, eos_id last if it ends
+    there."""
+    from engine import generate
+
+    for (row,) in generate(model, [prompt], max_new, eos_id=eos_id):
+        pass
+    return row.tokens
+
+
 def read_metrics(out_dir) -> list[dict]:
     with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f]

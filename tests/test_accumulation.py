@@ -59,7 +59,9 @@ def test_batch_4_equals_2_x_accum_2_equals_2_ranks_x_1_x_accum_2(stage, demo_dir
 
 def test_sft_micro_batches_hold_different_numbers_of_answer_tokens(demo_dir, tiny_pretrained, tmp_path):
     """The premise of the SFT case above: a mean of micro-batch means would differ from the one big batch."""
-    from data import Loader, SFTData, load_split, load_tokenizer
+    from data import Loader, SFTData
+    from token_cache import load_split
+    from tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer()
     records, _ = load_split(f"{demo_dir}/sft.jsonl", None, 0.05, tokenizer, "sft", max_len=65, verbose=False)
@@ -71,8 +73,10 @@ def test_sft_micro_batches_hold_different_numbers_of_answer_tokens(demo_dir, tin
 def test_logged_sft_loss_is_the_token_weighted_mean(tiny_pretrained, demo_dir, tmp_path):
     """With accumulation, the logged step loss is sum(cross-entropy over answer tokens) / their number, as
     computed here from the checkpoint the run started from and the batches its loader gives."""
-    from data import Loader, SFTData, load_split, load_tokenizer
-    from train_utils import model_from_checkpoint
+    from data import Loader, SFTData
+    from token_cache import load_split
+    from tokenizer import load_tokenizer
+    from checkpoint import model_from_checkpoint
 
     args = stage_args("sft", demo_dir, tiny_pretrained)
     run_split("sft", [a for a in args if not a.startswith("--max_steps")] + ["--max_steps=1"], tmp_path / "run",

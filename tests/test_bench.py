@@ -7,12 +7,12 @@ import sys
 import pytest
 
 import bench
-import prepare_demo
+import demo_data
 from conftest import TINY_MODEL
-from data import encode_dpo
+from errors import ConfigError
 from model import Transformer
+from token_cache import encode_dpo
 from tokenizer import load_tokenizer
-from train_utils import ConfigError
 
 TINY = [*TINY_MODEL, "--device=cpu", "--peak_flops=1e12"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,7 +68,7 @@ def test_an_epoch_ending_among_the_timed_steps_is_an_error(tmp_path):
     # 4 conversations, batches of 2: SFT evaluates after step 2, between the timed steps 3 and 4
     conversations = [{"conversations": [{"role": "user", "content": f"{i} + {i}?"},
                                         {"role": "assistant", "content": f"{2 * i}"}]} for i in range(4)]
-    prepare_demo.write_jsonl(tmp_path / "sft.jsonl", conversations)
+    demo_data.write_jsonl(tmp_path / "sft.jsonl", conversations)
     with pytest.raises(RuntimeError, match=r"evaluated after step\(s\) \[0, 2, 4\].*steps 3\.\.4 were timed"):
         bench.main(["--mode=sft", *TINY, "--batch_size=2", "--steps=2", f"--data_path={tmp_path / 'sft.jsonl'}",
                     f"--val_data_path={tmp_path / 'sft.jsonl'}"])

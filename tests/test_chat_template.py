@@ -11,7 +11,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from data import BadRecord, encode_chat, encode_dpo, encode_sft, tokenize_file
+from chat import encode_chat
+from errors import BadRecord
+from token_cache import encode_dpo, encode_sft, tokenize_file
 from tokenizer import load_tokenizer
 
 MINIMIND = Path(__file__).resolve().parent / "fixtures" / "minimind"
@@ -237,7 +239,7 @@ def test_minimind_tokenizer_through_pretrain_sft_and_sample(demo_dir, tmp_path, 
     assert state["tokenizer"]["chat_template"] == "chatml"
 
     fed = []
-    monkeypatch.setattr(sample, "respond", lambda model, tok, ids, args, out=None: fed.append(ids) or "")
+    monkeypatch.setattr(sample, "respond", lambda model, tok, ids, *rest: fed.append(ids) or "")
     sample.main(["--ckpt", str(sft / "best.pt"), "--prompt", "北京天气？", "--system", "Be brief.",
                  "--max_new_tokens", "8"])
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "北京天气？"}]

@@ -5,13 +5,18 @@ import sys
 import pytest
 import torch
 
+import errors
 import train_dpo
 import train_pretrain
 import train_sft
-import train_utils
+from checkpoint import load_model
+from config import DPOConfig, PretrainConfig, SFTConfig, field_docs, help_text
+from config import load_config
 from conftest import TINY_RUN
+from errors import ConfigError
+from metrics import console_line
 from model import ModelConfig
-from train_utils import ConfigError, console_line, load_config, pick_device, pick_dtype
+from runtime import pick_device, pick_dtype
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,7 +40,8 @@ def test_help_lists_every_key_with_its_default_and_comment_and_exits_0(script, l
         for line in lines:
             assert line in out
     module = {"train_pretrain.py": train_pretrain, "train_sft.py": train_sft, "train_dpo.py": train_dpo}[script]
-    schemas = (module.Config, ModelConfig) if module is train_pretrain else (module.Config,)
+    config = {train_pretrain: PretrainConfig, train_sft: SFTConfig, train_dpo: DPOConfig}[module]
+    schemas = (config, ModelConfig) if module is train_pretrain else (config,)
     for schema in schemas:
         for name in schema.__dataclass_fields__:
             assert f"  --{name}=" in out, name
@@ -47,11 +53,11 @@ def test_help_lists_every_key_with_its_default_and_comment_and_exits_0(script, l
 
 
 def test_help_groups_follow_the_dataclass_and_subclass_fields_join_their_group():
-    docs = train_utils.field_docs(train_sft.Config)
+    docs = field_docs(SFTConfig)
     assert docs["lr"] == ("optimizer: AdamW, weight decay on matrices only", "")
     assert docs["max_seq_len"][0] == "data" and docs["init_from"][0] == "I/O"
     assert docs["eval_interval"] == ("logging, evaluation, checkpoints", "and at every epoch end")
-    text = train_utils.help_text((train_sft.Config,), set())
+    text = help_text((SFTConfig,), set())
     groups = [line for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
     assert groups[:3] == ["I/O:", "data:", "training length:"]
     io = text[text.index("\nI/O:"):text.index("\ndata:")]
@@ -103,7 +109,7 @@ def test_a_bug_still_gives_a_traceback(monkeypatch):
 
     monkeypatch.setattr(sys, "argv", ["x.py"])
     with pytest.raises(KeyError):
-        train_utils.cli(main)
+        errors.cli(main)
 
 
 # --- device and dtype: auto ------------------------------------------------------------------------------
@@ -130,7 +136,7 @@ def test_auto_dtype_is_what_the_device_runs_well(monkeypatch, device, bf16, expe
 
 def test_dpo_lengths_default_to_the_model_context_and_an_overlong_pair_is_an_error():
     def lengths(flags, max_seq_len):
-        cfg = train_dpo.fit_lengths(load_config(flags, train_dpo.Config)[0], max_seq_len)
+        cfg = load_config(flags, DPOConfig)[0].fit_lengths(max_seq_len)
         return cfg.max_prompt_length, cfg.max_completion_length
 
     assert lengths([], 511) == (256, 256)  # MiniMind's 256 + 256 for its 512-token models
@@ -169,12 +175,12 @@ def test_sample_defaults_fit_a_short_context_model_and_a_bad_max_new_tokens_is_a
     an explicit --max_new_tokens that leaves no room for the prompt is one error line."""
     import sample
 
-    max_seq_len = sample.load_model(str(tiny_sft))[0].config.max_seq_len
+    max_seq_len = load_model(str(tiny_sft))[0].config.max_seq_len
     assert max_seq_len == 64
     fed = []
     respond = sample.respond
-    monkeypatch.setattr(sample, "respond", lambda model, tok, ids, args, out=None: fed.append(ids) or
-                        respond(model, tok, ids, args, out))
+    monkeypatch.setattr(sample, "respond", lambda model, tok, ids, args, *rest: fed.append(ids) or
+                        respond(model, tok, ids, args, *rest))
     sample.main(["--ckpt", str(tiny_sft), "--prompt", "What is the capital of Kenya? " * 20])
     assert 0 < len(fed[0]) <= max_seq_len // 2 and capsys.readouterr().out.strip()
     result = run_script("sample.py", "--ckpt", str(tiny_sft), "--prompt", "hi", "--max_new_tokens", "64")

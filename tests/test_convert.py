@@ -11,11 +11,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 import convert
 import sample
 import train_sft
-from conftest import TINY_RUN
-from data import encode_chat
+from chat import encode_chat
+from checkpoint import load_checkpoint, model_from_checkpoint
+from config import load_config
+from conftest import TINY_RUN, greedy_alone
+from errors import CheckpointError, ConfigError
 from model import ModelConfig, Transformer
 from tokenizer import load_tokenizer
-from train_utils import CheckpointError, ConfigError, load_checkpoint, load_config, model_from_checkpoint
 
 MINIMIND_TOKENIZER = Path(__file__).resolve().parent / "fixtures" / "minimind"
 # MiniMind's vocabulary; small widths; head_dim 24 is not dim / n_heads (64 / 4) for the Qwen3 shape
@@ -84,7 +86,7 @@ def test_imported_model_gives_the_reference_logits_and_continuation(reference, f
     with torch.no_grad():
         theirs = ref.generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
                               min_new_tokens=16)
-    assert ours.generate(prompt, 16, temperature=0).tolist() == theirs.tolist()
+    assert prompt[0].tolist() + greedy_alone(ours, prompt[0].tolist(), 16) == theirs[0].tolist()
 
 
 def test_a_pth_without_qk_norm_asks_for_n_heads(tmp_path):
@@ -158,8 +160,8 @@ def test_imported_minimind_checkpoint_samples_and_fine_tunes(demo_dir, tmp_path,
     prompt, _ = encode_chat(tokenizer, [{"role": "user", "content": "你好"}])
     assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     model, _ = model_from_checkpoint(str(tmp_path / "imported.pt"))
-    answer = model.eval().generate(torch.tensor([prompt]), 12, temperature=0, eos_id=tokenizer.eos_id)[0, len(prompt):]
-    answer = answer.tolist()[: answer.tolist().index(tokenizer.eos_id)] if tokenizer.eos_id in answer else answer.tolist()
+    answer = greedy_alone(model.eval(), prompt, 12, tokenizer.eos_id)
+    answer = answer[: answer.index(tokenizer.eos_id)] if tokenizer.eos_id in answer else answer
     assert answer and capsys.readouterr().out == tokenizer.decode(answer).strip(" ") + "\n"
     # the tokenizer comes from the checkpoint: no --tokenizer_path, in sampling or fine-tuning
     train_sft.main([f"--init_from={tmp_path / 'imported.pt'}", f"--data_path={demo_dir}/sft.jsonl",

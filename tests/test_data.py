@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from data import (BadRecord, DPOData, Loader, PretrainData, SFTData, encode_chat, pad_rows, show_mask,
-                  tokenize_file)
+from chat import encode_chat, show_mask
+from data import DPOData, Loader, PretrainData, SFTData, pad_rows
+from errors import BadRecord
+from token_cache import tokenize_file
 from tokenizer import load_tokenizer
 
 

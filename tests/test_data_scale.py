@@ -14,10 +14,13 @@ import time
 import numpy as np
 import pytest
 
-import data
-import prepare_demo
-from data import DataError, PretrainData, SFTData, encode_chat, load_split, tokenize_file
+import demo_data
+import token_cache
+from chat import encode_chat
+from data import PretrainData, SFTData
+from errors import DataError
 from test_splits import ID, ids_of, record
+from token_cache import load_split, tokenize_file
 from tokenizer import load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +33,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def pool():
-    return prepare_demo.documents(500, 20, random.Random(0))
+    return demo_data.documents(500, 20, random.Random(0))
 
 
 def write_corpus(path, megabytes: float, pool, seed: int = 0) -> str:
@@ -59,8 +62,9 @@ def as_lists(records) -> list[list[int]]:
 
 BUILD = """
 import json, resource, sys
-import data
-tok = data.load_tokenizer()
+import token_cache
+from tokenizer import load_tokenizer
+tok = load_tokenizer()
 def vm(field):  # bytes, from /proc/self/status
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
@@ -69,12 +73,12 @@ def workers_peak():  # the largest high-water mark of any child so far
 # a one-line build first: its workers' peak is the workers' baseline (forked with the parent's RSS, torch included)
 with open(sys.argv[1] + ".tiny.jsonl", "w") as f:
     f.write('{"text": "warm up"}\\n')
-data.tokenize_file(sys.argv[1] + ".tiny.jsonl", tok, "pretrain", processes=2, verbose=False)
+token_cache.tokenize_file(sys.argv[1] + ".tiny.jsonl", tok, "pretrain", processes=2, verbose=False)
 workers_before = workers_peak()
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets this process's high-water mark (VmHWM) to its RSS now
 before = vm("VmRSS")
-data.tokenize_file(sys.argv[1], tok, "pretrain", processes=2, chunk_bytes=int(sys.argv[2]), verbose=False)
+token_cache.tokenize_file(sys.argv[1], tok, "pretrain", processes=2, chunk_bytes=int(sys.argv[2]), verbose=False)
 print(json.dumps({"parent": vm("VmHWM") - before, "worker": workers_peak() - workers_before}))
 """
 
@@ -102,10 +106,11 @@ def test_peak_memory_stays_flat_as_the_file_grows(tmp_path, pool):
 
 KILLED = """
 import os, signal, sys
-import data
+import token_cache
+from tokenizer import load_tokenizer
 if sys.argv[2] == "at_commit":  # everything written, killed just before the rename that commits the cache
     os.replace = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
-data.tokenize_file(sys.argv[1], data.load_tokenizer(), "pretrain", processes=1, chunk_bytes=1 << 14, verbose=False)
+token_cache.tokenize_file(sys.argv[1], load_tokenizer(), "pretrain", processes=1, chunk_bytes=1 << 14, verbose=False)
 """
 
 
@@ -245,7 +250,7 @@ def test_validation_is_the_last_records_across_files(kind, tok, tmp_path):
 def test_a_read_only_data_directory_gets_its_cache_under_the_home_directory(tok, tmp_path, monkeypatch):
     path = write_corpus(tmp_path / "p.jsonl", 0.01, ["a short document.", "一个短文档。"])
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(data.os, "access", lambda p, mode: os.path.abspath(p) != str(tmp_path))  # (root writes anyway)
+    monkeypatch.setattr(token_cache.os, "access", lambda p, mode: os.path.abspath(p) != str(tmp_path))  # (root writes anyway)
     records = tokenize_file(path, tok, "pretrain", verbose=False)
     assert as_lists(records) == direct_encoding(path, tok)
     assert sorted(os.listdir(tmp_path)) == ["home", "p.jsonl"]  # nothing written beside the data
@@ -264,7 +269,7 @@ def test_a_pattern_that_matches_nothing_is_a_data_error_naming_it(tok, tmp_path)
         tokenize_file(f"{tmp_path}/a.jsonl,{tmp_path}/b.jsonl", tok, "pretrain", verbose=False)
     with pytest.raises(DataError, match="names .*a.jsonl twice"):
         tokenize_file(f"{tmp_path}/a.jsonl,{tmp_path}/*.jsonl", tok, "pretrain", verbose=False)
-    assert data.file_digest(str(tmp_path / "*.jsonl")) != data.file_digest(str(tmp_path / "a.jsonl"))
+    assert token_cache.file_digest(str(tmp_path / "*.jsonl")) != token_cache.file_digest(str(tmp_path / "a.jsonl"))
 
 
 # --- a tokenizer from a sample of a large corpus ------------------------------------------------------------

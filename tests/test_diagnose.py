@@ -11,9 +11,9 @@ import torch
 import diagnose
 import model as model_py
 from conftest import TINY_MODEL
+from errors import ConfigError
 from model import ModelConfig, Transformer
 from tokenizer import load_tokenizer
-from train_utils import ConfigError
 
 TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, max_seq_len=32)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 import train_distill
 import train_sft
+from checkpoint import load_checkpoint
 from conftest import TINY_RUN, final_weights, read_metrics, train_losses
+from errors import ConfigError
 from train_distill import distill_loss
-from train_utils import ConfigError, load_checkpoint
 
 STUDENT = ["--dim=16", "--n_layers=2", "--n_heads=2", "--n_kv_heads=1", "--max_seq_len=64"]  # half the tiny width
 

@@ -6,10 +6,12 @@ import torch
 
 import train_dpo
 from conftest import TINY_RUN, read_metrics
-from data import DPOData, pad_rows, tokenize_file
+from data import DPOData, pad_rows
+from losses import sequence_logprobs
 from model import ModelConfig, Transformer
+from token_cache import tokenize_file
 from tokenizer import load_tokenizer
-from train_dpo import dpo_loss, sequence_logprobs
+from train_dpo import dpo_loss
 
 
 def dpo(tiny_sft, demo_dir, out_dir, *flags):

@@ -16,12 +16,16 @@ from rouge_score import rouge_scorer
 import eval as ev
 import sample
 import train_dpo
+from chat import encode_chat
+from checkpoint import load_model
 from conftest import TINY_RUN, read_metrics
-from data import Loader, SFTData, encode_chat, load_split, pad_rows
+from data import Loader, SFTData, pad_rows
+from losses import count_token_bytes, validation_loss
 from model import ModelConfig, Transformer
+from runtime import Run
+from token_cache import load_split
 from tokenizer import load_tokenizer
 from train_tokenizer import main as train_tokenizer
-from train_utils import Run, count_token_bytes, validation_loss
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 CPU = ["--device=cpu", "--dtype=float32"]
@@ -119,7 +123,7 @@ def test_every_stage_logs_val_bpb(tiny_pretrained, tiny_sft, demo_dir, tmp_path)
     tok = load_tokenizer()
     _, val = load_split(f"{demo_dir}/dpo.jsonl", None, 0.05, tok, "dpo", max_prompt_length=32,
                         max_completion_length=33, verbose=False)
-    model = sample.load_model(str(tiny_sft))[0]
+    model = load_model(str(tiny_sft))[0]
     nats = n_bytes = 0.0
     for i in range(8):
         prompt, chosen, _ = val[i]
@@ -177,7 +181,7 @@ def test_sft_eval_perplexity_answers_and_report(tiny_sft, demo_dir, tmp_path):
     out = tmp_path / "report"
     section = ev.main(["sft", f"--ckpt={tiny_sft}", f"--data_path={demo_dir}/sft.jsonl", "--max_records=6",
                        "--max_new_tokens=12", "--samples=6", "--batch_size=4", f"--out={out}", *CPU])
-    tok, (model, _) = load_tokenizer(), sample.load_model(str(tiny_sft))
+    tok, (model, _, _) = load_tokenizer(), load_model(str(tiny_sft))
     records = [json.loads(line) for line in open(f"{demo_dir}/sft.jsonl", encoding="utf-8")][:6]
     nats = tokens = 0.0
     for r in records:  # perplexity: the training loss (masked to the answers) over all 6 conversations' tokens

@@ -15,8 +15,9 @@ from tokenizers import Regex, Tokenizer as LibTokenizer, decoders, models, pre_t
 from transformers import AutoTokenizer
 
 import tokenizer as tk
-from data import encode_chat, tokenize_file
+from chat import encode_chat
 from test_tokenizer import CHECK, corpus_lines, random_strings
+from token_cache import tokenize_file
 from tokenizer import TokenizerError, load_tokenizer
 from train_tokenizer import main as train_main
 

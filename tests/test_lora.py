@@ -16,13 +16,18 @@ import torch
 import convert
 import train_dpo
 import train_sft
+from checkpoint import finetune_model, load_checkpoint, lora_model, model_from_checkpoint
+from config import SFTConfig
+from config import load_config
 from conftest import TINY_RUN, final_weights, read_metrics, train_losses
-from data import DPOData, Loader, tokenize_file
+from data import DPOData, Loader
+from errors import CheckpointError, ConfigError
 from lora import adapter_state, adapters_off, add_lora, lora_layers
 from model import ModelConfig, Transformer
+from optim import configure_optimizer
+from runtime import setup
+from token_cache import tokenize_file
 from tokenizer import load_tokenizer
-from train_utils import (CheckpointError, ConfigError, finetune_model, load_checkpoint, load_config, lora_model,
-                         model_from_checkpoint, setup)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LORA = ["--lora_rank=4", "--lora_alpha=8"]
@@ -60,10 +65,10 @@ def test_a_fresh_adapter_is_exactly_the_base_model():
 def test_training_steps_change_the_adapters_and_nothing_else(tiny_pretrained):
     # weight decay on: a frozen weight that reached the optimizer would move even without a gradient
     (cfg,) = load_config([f"--init_from={tiny_pretrained}", *LORA, "--weight_decay=0.1", "--dropout=0.1"],
-                         train_sft.Config)
+                         SFTConfig)
     model = finetune_model(cfg, setup("cpu", "float32", 0))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
+    optimizer = configure_optimizer(model, 0.1, 1e-2, (0.9, 0.95), "cpu")
     X = tokens()
     for _ in range(2):  # step 1 moves B only (A's gradient is B^T ... = 0); step 2 moves A too
         model(X, X)[1].backward()
@@ -138,7 +143,7 @@ def test_lora_sft_resumes_exactly(tiny_pretrained, demo_dir, tmp_path):
 
 def test_unknown_lora_targets_are_a_config_error():
     with pytest.raises(ConfigError, match="lora_targets.*'wz'"):
-        load_config(["--lora_rank=4", "--lora_targets=wq,wz"], train_sft.Config)
+        load_config(["--lora_rank=4", "--lora_targets=wq,wz"], SFTConfig)
 
 
 def test_the_adapters_off_reference_is_the_base_model(tiny_sft, demo_dir):

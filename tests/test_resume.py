@@ -16,8 +16,9 @@ import torch
 import train_dpo
 import train_pretrain
 import train_sft
+from checkpoint import load_checkpoint
 from conftest import TINY_MODEL, TINY_RUN, final_weights, read_metrics, train_losses
-from train_utils import load_checkpoint, measure_peak_flops
+from metrics import measure_peak_flops
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"pretrain": train_pretrain, "sft": train_sft, "dpo": train_dpo}

@@ -13,10 +13,10 @@ import openai
 import pytest
 import torch
 
-import model as model_py
 import sample
-import serve
-from data import encode_chat
+from chat import encode_chat
+from checkpoint import load_model
+from conftest import greedy_alone
 from model import ModelConfig, Transformer
 from tokenizer import load_tokenizer
 
@@ -52,14 +52,13 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def reference(tiny_sft):
-    """Greedy answers computed alone (model.generate, batch 1), for questions asked with max_tokens=40."""
-    model, _ = sample.load_model(str(tiny_sft))
+    """Greedy answers computed alone (batch 1), for questions asked with max_tokens=40."""
+    model, _, _ = load_model(str(tiny_sft))
     tokenizer = load_tokenizer()
     answers = {}
     for q in QUESTIONS:
         ids, _ = encode_chat(tokenizer, [{"role": "user", "content": q}])
-        out = model.generate(torch.tensor([ids]), 40, temperature=0, eos_id=tokenizer.eos_id)[0, len(ids):].tolist()
-        new = out[: out.index(tokenizer.eos_id) + 1] if tokenizer.eos_id in out else out
+        new = greedy_alone(model, ids, 40, tokenizer.eos_id)
         answers[q] = {"prompt_tokens": len(ids), "completion_tokens": len(new),
                       "finish_reason": "stop" if new[-1] == tokenizer.eos_id else "length",
                       "content": tokenizer.decode([t for t in new if t != tokenizer.eos_id]).strip(" ")}
@@ -116,12 +115,12 @@ def test_stop_strings_end_the_answer_before_them(client, reference):
     assert text == expected and chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_completions_continue_the_text_as_model_generate_does(client, tiny_sft):
-    model, _ = sample.load_model(str(tiny_sft))
+def test_completions_continue_the_text_as_greedy_decoding_alone_does(client, tiny_sft):
+    model, _, _ = load_model(str(tiny_sft))
     tokenizer = load_tokenizer()
     prompt = "The capital of Kenya is"
     ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
-    out = model.generate(torch.tensor([ids]), 5, temperature=0)[0, len(ids):].tolist()
+    out = greedy_alone(model, ids, 5)
     assert tokenizer.eos_id not in out
     done = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=5,
                                      temperature=0)
@@ -298,54 +297,6 @@ def test_a_client_that_goes_away_stops_its_generation(long_server, stream):
     assert raw(long_server, "/v1/completions", body)[1]["usage"]["completion_tokens"] == 3  # served normally
 
 
-def test_text_is_sent_in_whole_characters_and_never_the_start_of_a_stop_string():
-    tokenizer = load_tokenizer()
-    text = " Paris 😀 北京 é ST OP"
-    ids = tokenizer.encode(text)
-    assert any(tokenizer.decode([i]).endswith("\ufffd") for i in ids)  # the emoji is cut across byte tokens
-    stream = serve.TextStream(tokenizer, ["STOP", " OP"], strip=True)
-    pieces = [stream.add(i) for i in ids]
-    assert stream.stopped and "".join(pieces) == "Paris 😀 北京 é ST"
-    assert not any("\ufffd" in p for p in pieces)
-    assert "😀" in pieces[[tokenizer.decode(ids[: k + 1]).endswith("😀") for k in range(len(ids))].index(True)]
-    broken = serve.TextStream(tokenizer, [], strip=False)  # bytes that never make a character are not held forever
-    pieces = [broken.add(240) for _ in range(6)]
-    assert pieces[3] and "".join(pieces) + broken.finish() == tokenizer.decode([240] * 6)
-    held = serve.TextStream(tokenizer, ["ST OPX"], strip=True)  # " ST OP" may yet become it: held back
-    pieces = [held.add(i) for i in ids]
-    assert not held.stopped and "".join(pieces) == "Paris 😀 北京 é " and held.finish() == "ST OP"
-
-
-@pytest.mark.parametrize("flash", [True, False])
-def test_rows_joining_and_leaving_the_batch_get_what_they_get_alone(flash, monkeypatch):
-    # 7 requests, room for 3 rows: rows start and end at different steps, and later requests wait for a row
-    monkeypatch.setattr(model_py, "ATTENTION_TILE", 4)
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=64,
-                                    flash=flash)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4)  # sharper: the context matters (see test_model.sharpen)
-    prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-               for n in (3, 9, 5, 12, 4, 7, 6)]
-    lengths = [20, 6, 14, 3, 25, 9, 11]
-    engine, tokenizer = serve.Engine(model, eos_id=-1, max_batch=3), load_tokenizer()
-    jobs = []
-    for prompt, n in zip(prompts, lengths):
-        options = {"temperature": 0.0, "top_p": 1.0, "generator": None}
-        jobs.append(serve.Job(prompt, n, options, serve.TextStream(tokenizer, [], strip=False)))
-        engine.submit(jobs[-1])
-    batch_sizes = []
-    while not all(job.done for job in jobs):
-        engine.step()
-        batch_sizes.append(len(engine.rows))
-    assert max(batch_sizes) == 3 and len(set(batch_sizes)) > 2  # full, then shrinking as rows finish
-    for job, prompt, n in zip(jobs, prompts, lengths):
-        alone = model.generate(torch.tensor([prompt]), n, temperature=0)[0, len(prompt):].tolist()
-        assert job.generated == alone and job.finish_reason == "length"
-
-
 def test_a_chatml_checkpoint_is_served_in_its_own_template(tmp_path):
     """A checkpoint trained with MiniMind's tokenizer records it; the server prompts in its ChatML template
     (prompt tokens = apply_chat_template's) and answers what greedy decoding alone gives."""
@@ -362,7 +313,7 @@ def test_a_chatml_checkpoint_is_served_in_its_own_template(tmp_path):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "北京天气？"}]
     ids = AutoTokenizer.from_pretrained(minimind).apply_chat_template(messages, add_generation_prompt=True,
                                                                       tokenize=True, return_dict=False)
-    out = model.eval().generate(torch.tensor([ids]), 12, temperature=0, eos_id=tokenizer.eos_id)[0, len(ids):].tolist()
+    out = greedy_alone(model.eval(), ids, 12, tokenizer.eos_id)
     out = out[: out.index(tokenizer.eos_id)] if tokenizer.eos_id in out else out
     proc, url, _ = start_server(ckpt)
     try:

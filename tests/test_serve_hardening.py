@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import serve
+from conftest import greedy_alone
+from engine import Sampling, TextStream
 from model import ModelConfig, Transformer
 from test_serve import start_server
 from tokenizer import load_tokenizer
@@ -101,65 +103,27 @@ def test_a_temperature_too_small_to_divide_by_is_greedy_and_harms_no_other_strea
     assert results == [(200, True)] * 4
 
 
-def test_a_row_whose_sampling_fails_fails_alone():
+def test_a_job_whose_sampling_fails_gets_an_error_event_and_the_others_their_answers():
     torch.manual_seed(0)
     model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=64)).eval()
-    engine, tokenizer = serve.Engine(model, eos_id=-1, max_batch=3), load_tokenizer()
+    scheduler, tokenizer = serve.Scheduler(model, max_batch=3), load_tokenizer()
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    # the middle row samples with something that is no generator: torch.multinomial raises for it alone
-    generators = [torch.Generator().manual_seed(0), "not a generator", torch.Generator().manual_seed(0)]
-    jobs = [serve.Job(p, 6, {"temperature": 1.0 if i == 1 else 0.0, "top_p": 1.0, "generator": g},
-                      serve.TextStream(tokenizer, [], strip=False)) for i, (p, g) in enumerate(zip(prompts, generators))]
+    # the middle job samples with something that is no generator: torch.multinomial raises for it alone
+    samplings = [Sampling(0.0), Sampling(1.0, generator="not a generator"), Sampling(0.0)]
+    jobs = [serve.Job(p, 6, s, -1, TextStream(tokenizer, [], strip=False)) for p, s in zip(prompts, samplings)]
     for job in jobs:
-        engine.submit(job)
+        scheduler.submit(job)
     for _ in range(20):  # bounded: 6 tokens each
         if all(job.done for job in jobs):
             break
-        engine.step()
+        scheduler.step()
     assert jobs[1].finish_reason == "error" and ("", "error") in [jobs[1].events.get() for _ in range(jobs[1].events.qsize())]
     for job in (jobs[0], jobs[2]):
-        alone = model.generate(torch.tensor([job.prompt]), 6, temperature=0)[0, len(job.prompt):].tolist()
-        assert job.generated == alone and job.finish_reason == "length"
+        assert job.tokens == greedy_alone(model, job.prompt, 6) and job.finish_reason == "length"
 
 
 # -----------------------------------------------------------------------------
 # stop strings: bounded, and checked in time linear in their length
-
-
-class Counted(str):
-    """A str that counts the characters read out of it by indexing and slicing."""
-    reads = 0
-
-    def __getitem__(self, key):
-        part = str.__getitem__(self, key)
-        Counted.reads += len(part)
-        return part
-
-
-def test_holding_back_a_stop_string_s_start_reads_it_a_bounded_number_of_times():
-    tokenizer = load_tokenizer()
-    n = serve.MAX_STOP_CHARS
-    stops = [Counted("a" * (n - 1) + "b"), Counted("ab" * (n // 2 - 1) + "ac"), Counted("a" * (n - 2) + "ba"),
-             Counted("ba" * (n // 2))]  # long runs of what the text repeats: the worst case of trying each prefix
-    text = tokenizer.encode("a" * (n + 200))
-    stream = serve.TextStream(tokenizer, stops, strip=False)
-    per_token = []
-    for token in text:
-        Counted.reads = 0
-        stream.add(token)
-        per_token.append(Counted.reads)
-    assert max(per_token) <= 3 * sum(map(len, stops))  # linear; trying every prefix reads ~n^2/2 per stop
-    assert not stream.stopped and stream.sent == "a" * (len(tokenizer.decode(text)) - (n - 1))  # may yet be stop 0
-    assert stream.sent + stream.finish() == tokenizer.decode(text)
-
-
-def test_held_back_text_is_the_longest_start_of_a_stop_string_it_ends_with():
-    g = torch.Generator().manual_seed(0)
-    for _ in range(300):
-        text, stop = ("".join("ab"[i] for i in torch.randint(0, 2, (n,), generator=g).tolist())
-                      for n in torch.randint(1, 12, (2,), generator=g).tolist())
-        brute = max([k for k in range(1, len(stop)) if text.endswith(stop[:k])], default=0)
-        assert serve.overlap(text, stop, serve.borders(stop)) == brute, (text, stop)
 
 
 def test_stop_strings_are_bounded_and_one_at_the_bound_is_served(port):

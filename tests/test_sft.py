@@ -9,8 +9,12 @@ import torch
 
 import sample
 import train_sft
+from chat import encode_chat
+from checkpoint import load_model
 from conftest import TINY_RUN, final_weights, read_metrics, train_losses
-from data import BadRecord, encode_chat, pad_rows
+from data import pad_rows
+from engine import prompt_ids
+from errors import BadRecord
 from model import ModelConfig, Transformer
 from tokenizer import load_tokenizer
 
@@ -87,17 +91,12 @@ def chat_args(**overrides):
 
 
 def test_a_scripted_two_turn_chat_feeds_history_in_the_template(tiny_sft, monkeypatch):
-    model, config = sample.load_model(str(tiny_sft))
+    model, _, config = load_model(str(tiny_sft))
     tok = load_tokenizer()
     assert config["stage"] == "sft"
-    fed = []
-    original = model.stream
-
-    def recording_stream(idx, *a, **kw):
-        fed.append(idx[0].tolist())
-        return original(idx, *a, **kw)
-
-    monkeypatch.setattr(model, "stream", recording_stream)
+    fed = []  # the ids each answer is generated from
+    respond = sample.respond
+    monkeypatch.setattr(sample, "respond", lambda model, tok, ids, *rest: fed.append(ids) or respond(model, tok, ids, *rest))
     lines = iter(["What is 2 + 3?", "法国的首都是哪里？"])
 
     def read(prompt):  # like input(): a line per call, then EOFError (Ctrl-D)
@@ -115,15 +114,15 @@ def test_a_scripted_two_turn_chat_feeds_history_in_the_template(tiny_sft, monkey
 
 
 def test_answers_are_reproducible_with_the_same_seed(tiny_sft):
-    model, _ = sample.load_model(str(tiny_sft))
+    model, _, _ = load_model(str(tiny_sft))
     tok = load_tokenizer()
-    ids = sample.prompt_ids(tok, [], "What is 2 + 3?", None, 40, chat=True)
+    ids = prompt_ids(tok, [{"role": "user", "content": "What is 2 + 3?"}], None, 40)
     greedy = [sample.respond(model, tok, ids, chat_args()) for _ in range(2)]
     assert greedy[0] == greedy[1]
     sampled = []
     for _ in range(2):
-        torch.manual_seed(5)
-        sampled.append(sample.respond(model, tok, ids, chat_args(temperature=1.0, top_p=0.95)))
+        generator = torch.Generator().manual_seed(5)
+        sampled.append(sample.respond(model, tok, ids, chat_args(temperature=1.0, top_p=0.95), generator=generator))
     assert sampled[0] == sampled[1]
 
 
@@ -131,7 +130,7 @@ def test_the_cli_uses_the_template_for_chat_checkpoints_and_plain_text_for_pretr
                                                                                       monkeypatch, capsys):
     tok = load_tokenizer()
     fed = []
-    monkeypatch.setattr(sample, "respond", lambda model, tok, ids, args, out=None: fed.append(ids) or "")
+    monkeypatch.setattr(sample, "respond", lambda model, tok, ids, *rest: fed.append(ids) or "")
     sample.main(["--ckpt", str(tiny_sft), "--prompt", "What is 2 + 3?", "--max_new_tokens", "8"])
     sample.main(["--ckpt", str(tiny_pretrained), "--prompt", "The capital of", "--max_new_tokens", "8"])
     assert fed[0] == encode_chat(tok, [{"role": "user", "content": "What is 2 + 3?"}])[0]

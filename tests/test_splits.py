@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-from data import PretrainData, load_split
+from data import PretrainData
+from token_cache import load_split
 from tokenizer import load_tokenizer
 
 ID = re.compile(r"record-(\d{4})(?!\d)")  # digits are single tokens: a window that cuts an id in half shows no match

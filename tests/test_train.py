@@ -6,10 +6,13 @@ import pytest
 import torch
 
 import train_pretrain
+from checkpoint import load_checkpoint, load_model_state
+from config import PretrainConfig
+from config import load_config
 from conftest import TINY_MODEL, TINY_RUN, final_weights, read_metrics, train_losses
+from errors import CheckpointError, ConfigError, NonFiniteError
 from model import ModelConfig, Transformer
-from train_utils import (CheckpointError, ConfigError, NonFiniteError, get_lr, load_checkpoint, load_config,
-                         load_model_state)
+from optim import get_lr
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,9 +42,9 @@ def test_config_file_then_flags_and_int_for_float(tmp_path):
     path = tmp_path / "c.py"
     path.write_text("dim = 128\nlr = 1\n# a comment\nn_layers = 3\n")
     cfg, model_cfg = load_config([str(path), "--n_layers=5", "--lr=3e-4", "--resume=true", "--out_dir=out/x"],
-                                 train_pretrain.Config, ModelConfig)
+                                 PretrainConfig, ModelConfig)
     assert (model_cfg.dim, model_cfg.n_layers, cfg.lr, cfg.resume, cfg.out_dir) == (128, 5, 3e-4, True, "out/x")
-    (cfg,) = load_config(["--lr=1"], train_pretrain.Config)
+    (cfg,) = load_config(["--lr=1"], PretrainConfig)
     assert cfg.lr == 1.0 and type(cfg.lr) is float
 
 
@@ -54,14 +57,14 @@ def test_config_file_then_flags_and_int_for_float(tmp_path):
 ])
 def test_unknown_keys_and_wrong_types_name_the_key(argv, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):
-        load_config(argv, train_pretrain.Config, ModelConfig)
+        load_config(argv, PretrainConfig, ModelConfig)
 
 
 def test_a_wrong_key_in_a_config_file_names_file_and_key(tmp_path):
     path = tmp_path / "bad.py"
     path.write_text("dim = 64\nn_layer = 2\n")
     with pytest.raises(ConfigError, match=r"'n_layer' \(from .*bad\.py\)"):
-        load_config([str(path)], train_pretrain.Config, ModelConfig)
+        load_config([str(path)], PretrainConfig, ModelConfig)
 
 
 # --- the training loop ----------------------------------------------------------------------------

@@ -1,0 +1,272 @@
+"""
+Conversations -> token ids and the loss mask, in the tokenizer's chat template (tokenizer.chat_template):
+nanomind's own [INST] template ("llama2") or MiniMind's ChatML ("chatml"). Both build a conversation piece by
+piece, so every token's role is known and the loss mask needs no searching for markers.
+
+    ids, loss_mask = encode_chat(tokenizer, [{"role": "user", "content": "Hi"}, {"role": "assistant", ...}])
+"""
+import json
+import re
+
+from errors import BadRecord, DataError
+
+
+# -----------------------------------------------------------------------------
+# "llama2" (nanomind's own tokenizers):
+#   <s>[INST] <<SYS>>\n{system}\n<</SYS>>\n\n{user} [/INST] {assistant} </s>   first turn, with a system prompt
+#   <s>[INST] {user} [/INST] {assistant} </s>                                  every other turn
+
+def chat_turns(conversations, system=None) -> tuple[str | None, list[tuple[str, str | None]]]:
+    """Validate MiniMind-style messages -> (system, [(user, assistant), ...]). A leading {"role": "system"}
+    message is the system prompt; the last turn's assistant is None when the messages end with the user."""
+    if not isinstance(conversations, list) or not conversations:
+        raise BadRecord("'conversations' must be a non-empty list of {role, content} messages")
+    for i, m in enumerate(conversations):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+            raise BadRecord(f"message {i} has unknown role {m.get('role') if isinstance(m, dict) else m!r}: the "
+                            "[INST] template has system, user and assistant only (MiniMind's ChatML one has tool)")
+        extra = [k for k in ("reasoning_content", "tool_calls", "tools") if m.get(k)]
+        if extra:
+            raise BadRecord(f"message {i} has {extra[0]!r}, which the [INST] template cannot show "
+                            "(a tokenizer with MiniMind's ChatML template can)")
+        if not isinstance(m.get("content"), str) or not m["content"].strip():
+            raise BadRecord(f"message {i} needs a non-empty string 'content'")
+    if conversations[0]["role"] == "system":
+        if system is not None:
+            raise BadRecord("two system prompts: a 'system' field and a system message")
+        system, conversations = conversations[0]["content"], conversations[1:]
+    if system is not None and (not isinstance(system, str) or not system.strip()):
+        raise BadRecord("'system' must be a non-empty string")
+    roles = [m["role"] for m in conversations]
+    if not roles or roles != ["user", "assistant"] * (len(roles) // 2) + ["user"] * (len(roles) % 2):
+        raise BadRecord(f"roles must alternate user, assistant, ... starting with user; got {roles}")
+    texts = [m["content"] for m in conversations] + [None]
+    return system, [(texts[i], texts[i + 1]) for i in range(0, len(conversations), 2)]
+
+
+def encode_turn(tokenizer, user: str, assistant: str | None, system: str | None) -> tuple[list[int], list[int]]:
+    """One '<s>[INST] ... [/INST] ... </s>' turn -> (ids, loss_mask); ends at [/INST] when assistant is None."""
+    special = tokenizer.chat_tokens
+    ids = [tokenizer.bos_id] + special["[INST]"]
+    if system is not None:
+        ids += tokenizer.encode(" ") + special["<<SYS>>"] + tokenizer.encode(f"\n{system}\n") + special["<</SYS>>"]
+        ids += tokenizer.encode(f"\n\n{user} ")
+    else:
+        ids += tokenizer.encode(f" {user} ")
+    ids += special["[/INST]"]
+    mask = [0] * len(ids)
+    if assistant is not None:
+        answer = tokenizer.encode(f" {assistant} ") + [tokenizer.eos_id]
+        ids, mask = ids + answer, mask + [1] * len(answer)
+    return ids, mask
+
+
+def encode_llama2(tokenizer, conversations, system, max_len) -> tuple[list[int], list[int]]:
+    system, turns = chat_turns(conversations, system)
+    for first in range(len(turns)):
+        encoded = [encode_turn(tokenizer, u, a, system if i == first else None)
+                   for i, (u, a) in enumerate(turns) if i >= first]
+        ids = [t for turn_ids, _ in encoded for t in turn_ids]
+        if max_len is None or len(ids) <= max_len:
+            break
+    return ids, [m for _, turn_mask in encoded for m in turn_mask]
+
+
+# "chatml": MiniMind's (Qwen3-style) template, the rules of its tokenizer_config.json's Jinja written out.
+# Without tools, an optional system turn; a tool message is shown as a user turn holding <tool_response>s:
+#   <|im_start|>system\n{system}<|im_end|>\n
+#   <|im_start|>user\n{user}<|im_end|>\n
+#   <|im_start|>assistant\n<think>\n{reasoning}\n</think>\n\n{content}\n<tool_call>\n{call}\n</tool_call><|im_end|>\n
+#   <|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n
+# The generation prompt is the non-thinking one: <|im_start|>assistant\n<think>\n\n</think>\n\n
+# Loss: everything the assistant writes, from <think> to its <|im_end|>; not the \n after it.
+TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+                "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+                "<args-json-object>}\n</tool_call><|im_end|>\n")
+GENERATION_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def json_field(value, what: str):
+    """MiniMind stores tools and tool_calls as JSON strings or as JSON values."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            raise BadRecord(f"{what} is not valid JSON ({e})") from None
+    return value
+
+
+def chatml_messages(conversations, system=None) -> tuple[list[dict], list | None]:
+    """Validate MiniMind's message fields -> (messages with tool_calls parsed, tools or None)."""
+    if not isinstance(conversations, list) or not conversations:
+        raise BadRecord("'conversations' must be a non-empty list of messages")
+    if system is not None:
+        if not isinstance(system, str) or conversations[0].get("role") == "system":
+            raise BadRecord("'system' must be a string, and not given beside a system message")
+        conversations = [{"role": "system", "content": system}] + conversations
+    messages, tools = [], None
+    for i, m in enumerate(conversations):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise BadRecord(f"message {i} has unknown role {m.get('role') if isinstance(m, dict) else m!r}: "
+                            "expected system, user, assistant or tool")
+        role, m = m["role"], dict(m)
+        for key in ("content", "reasoning_content"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise BadRecord(f"message {i}: '{key}' must be a string")
+        if m.get("tools"):
+            if i != 0 or role != "system":
+                raise BadRecord(f"message {i}: 'tools' belongs on the first message, a system message")
+            tools = json_field(m["tools"], f"message {i} 'tools'")
+            if not isinstance(tools, list):
+                raise BadRecord(f"message {i}: 'tools' must be a list of function descriptions")
+        if m.get("tool_calls"):
+            if role != "assistant":
+                raise BadRecord(f"message {i}: only an assistant message has 'tool_calls'")
+            m["tool_calls"] = calls = json_field(m["tool_calls"], f"message {i} 'tool_calls'")
+            for call in calls if isinstance(calls, list) else [None]:
+                call = call.get("function", call) if isinstance(call, dict) else None
+                if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
+                    raise BadRecord(f"message {i}: 'tool_calls' must be a list of {{name, arguments}} "
+                                    "(or {function: {name, arguments}})")
+        if role == "tool" and not any(p["role"] == "assistant" and p.get("tool_calls") for p in messages):
+            raise BadRecord(f"message {i} is a tool result, but no assistant message before it calls a tool")
+        messages.append(m)
+    return messages, tools
+
+
+def split_reasoning(message) -> tuple[str, str]:
+    """(reasoning, content) of an assistant message: its reasoning_content, else a <think> block leading its
+    content."""
+    content = message.get("content") or ""
+    if isinstance(message.get("reasoning_content"), str):
+        return message["reasoning_content"], content
+    if "</think>" in content:
+        head, content = content.split("</think>")[0], content.split("</think>")[-1]
+        return head.rstrip("\n").split("<think>")[-1].lstrip("\n"), content.lstrip("\n")
+    return "", content
+
+
+def chatml_pieces(tokenizer, messages: list[dict], tools: list | None) -> list[tuple[str, int, bool]]:
+    """Messages -> [(text, carries loss, is markup)]; markup's added tokens (<|im_start|>, <think>, ...) become
+    their ids, as apply_chat_template's tokenizer finds them; what the data says (content, tools) never does."""
+    pieces = []
+
+    def markup(text, loss=0):
+        pieces.append((text, loss, True))
+
+    def data(text, loss=0):
+        pieces.append((text, loss, False))
+
+    first_system = messages[0]["role"] == "system"
+    if tools:
+        markup("<|im_start|>system\n")
+        if first_system:
+            data(messages[0].get("content") or "")
+            markup("\n\n")
+        markup(TOOLS_HEADER)
+        for tool in tools:
+            markup("\n")
+            data(json.dumps(tool, ensure_ascii=False))  # Jinja's tojson as transformers defines it
+        markup(TOOLS_FOOTER)
+    elif first_system:
+        markup("<|im_start|>system\n")
+        data(messages[0].get("content") or "")
+        markup("<|im_end|>\n")
+    for i, m in enumerate(messages):
+        role, content = m["role"], m.get("content") or ""
+        if role == "user" or (role == "system" and i > 0):
+            markup(f"<|im_start|>{role}\n")
+            data(content)
+            markup("<|im_end|>\n")
+        elif role == "assistant":
+            reasoning, content = split_reasoning(m)
+            markup("<|im_start|>assistant\n")
+            markup("<think>\n", 1)
+            data(reasoning.strip("\n"), 1)
+            markup("\n</think>\n\n", 1)
+            data(content.lstrip("\n"), 1)
+            for j, call in enumerate(m.get("tool_calls") or []):
+                call = call.get("function", call)
+                if j > 0 or content:
+                    markup("\n", 1)
+                markup('<tool_call>\n{"name": "', 1)
+                data(call["name"], 1)
+                markup('", "arguments": ', 1)
+                args = call["arguments"]
+                data(args if isinstance(args, str) else json.dumps(args, ensure_ascii=False), 1)
+                markup("}\n</tool_call>", 1)
+            markup("<|im_end|>", 1)
+            markup("\n")
+        elif role == "tool":
+            if i == 0 or messages[i - 1]["role"] != "tool":
+                markup("<|im_start|>user")
+            markup("\n<tool_response>\n")
+            data(content)
+            markup("\n</tool_response>")
+            if i == len(messages) - 1 or messages[i + 1]["role"] != "tool":
+                markup("<|im_end|>\n")
+    if messages[-1]["role"] != "assistant":
+        markup(GENERATION_PROMPT)
+    return pieces
+
+
+def encode_pieces(tokenizer, pieces) -> tuple[list[int], list[int]]:
+    """Pieces -> (ids, loss_mask). Markup is cut at added tokens; the text between two added tokens is encoded as
+    one string (as the tokenizers library does), unless its loss changes inside it."""
+    added = re.compile("(" + "|".join(map(re.escape, sorted(tokenizer.added_tokens, key=len, reverse=True))) + ")")
+    ids, mask, text, text_loss = [], [], "", 0
+
+    def flush():
+        encoded = tokenizer.encode(text)
+        ids.extend(encoded)
+        mask.extend([text_loss] * len(encoded))
+
+    for value, loss, is_markup in pieces:
+        for k, part in enumerate(added.split(value) if is_markup else [value]):
+            if k % 2:  # an added token
+                flush()
+                text = ""
+                ids.append(tokenizer.added_tokens[part])
+                mask.append(loss)
+            elif part:
+                if text and loss != text_loss:
+                    flush()
+                    text = ""
+                text, text_loss = text + part, loss
+    flush()
+    return ids, mask
+
+
+def encode_chatml(tokenizer, conversations, system, max_len) -> tuple[list[int], list[int]]:
+    messages, tools = chatml_messages(conversations, system)
+    head = messages[:1] if messages[0]["role"] == "system" else []
+    turns = [len(head)] + [i for i, m in enumerate(messages) if m["role"] == "user" and i > len(head)]
+    for first in turns:  # too long: drop whole earliest turns (a turn starts at a user message)
+        ids, mask = encode_pieces(tokenizer, chatml_pieces(tokenizer, head + messages[first:], tools))
+        if max_len is None or len(ids) <= max_len:
+            break
+    return ids, mask
+
+
+def encode_chat(tokenizer, conversations, system=None, max_len=None) -> tuple[list[int], list[int]]:
+    """Messages -> (input_ids, loss_mask) in the tokenizer's chat template, loss_mask 1 exactly on what the
+    assistant writes and its end-of-turn token (</s> or <|im_end|>). Messages that do not end with the
+    assistant end with the generation prompt (... [/INST] or <|im_start|>assistant ...).
+    Too long for max_len: whole earliest turns are dropped (the system prompt stays);
+    a last turn that alone is too long is cut at the end (its answer then lacks its end-of-turn token)."""
+    if tokenizer.chat_template == "llama2":
+        ids, mask = encode_llama2(tokenizer, conversations, system, max_len)
+    elif tokenizer.chat_template == "chatml":
+        ids, mask = encode_chatml(tokenizer, conversations, system, max_len)
+    else:
+        raise DataError("this tokenizer's chat_template (tokenizer_config.json) is neither ChatML nor absent: "
+                        "nanomind renders only ChatML (MiniMind's) and its own [INST] template")
+    return ids[:max_len], mask[:max_len]
+
+
+def show_mask(tokenizer, ids, loss_mask) -> str:
+    """One line per token: position, id, ✓ (carries loss) or ✗, and the token's text."""
+    return "\n".join(f"{i:5d} {t:6d} {'✓' if m else '✗'} {tokenizer.decode([t])!r}"
+                     for i, (t, m) in enumerate(zip(ids, loss_mask)))

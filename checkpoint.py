@@ -1,0 +1,295 @@
+"""
+Checkpoints: what a run saves and how anything loads it back.
+
+  Checkpoints        save (atomically) and resume everything a run needs to continue exactly: full-precision
+                     weights, optimizer, GradScaler, data position, every rank's RNG states, configs, loop state
+  EarlyStopping      which evaluation is best.pt, and when a run without progress stops
+  model_from_checkpoint, load_model   a checkpoint's model (LoRA adapters merged onto their base) and tokenizer
+  finetune_model     SFT's and DPO's starting model, with this run's switches (and LoRA adapters)
+"""
+import dataclasses
+import glob
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from errors import CheckpointError, ConfigError, NonFiniteError, TokenizerError
+from lora import adapter_state, add_lora, lora_layers, merge_lora, trainable_params
+from model import ModelConfig, Transformer
+from optim import NonFiniteGuard, configure_optimizer
+from runtime import Run, print0, seed_rank
+from token_cache import file_digest
+from tokenizer import load_tokenizer
+
+
+# -----------------------------------------------------------------------------
+# a run's checkpoints: everything an exact resume needs
+
+def latest_checkpoint(out_dir: str) -> str | None:
+    paths = sorted(glob.glob(os.path.join(out_dir, "step_*.pt")))
+    return paths[-1] if paths else None
+
+
+def checkpoint_to_resume(cfg) -> str | None:
+    """Create out_dir; the checkpoint to resume from with --resume=True, None for a fresh run. A fresh run
+    refuses an out_dir that holds checkpoints: nothing already written is overwritten."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    latest = latest_checkpoint(cfg.out_dir)
+    if latest and not cfg.resume:
+        raise ConfigError(f"{cfg.out_dir} already holds checkpoints: pass --resume=True to continue, or another out_dir")
+    return latest if cfg.resume else None
+
+
+def prepare_training(cfg, model_cfg, stage: str, run: Run, model, loader, early):
+    """(optimizer, scaler, guard, checkpoints) for a built model: AdamW (over the trainable parameters: a LoRA
+    model's adapters), the GradScaler (enabled for float16 only: bfloat16 has float32's range), the non-finite
+    guard, and the checkpoints that save them all."""
+    seed_rank(cfg.seed, run)
+    optimizer = configure_optimizer(model, cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type)
+    scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")
+    guard = NonFiniteGuard(model, cfg.max_bad_steps, run.device)
+    lora = lora_record(cfg) if lora_layers(model) else None
+    checkpoints = Checkpoints(cfg, model_cfg, stage, run, model, optimizer, scaler, loader, guard, early, lora)
+    return optimizer, scaler, guard, checkpoints
+
+
+class Checkpoints:
+    """Everything a resume needs, in out_dir: full-precision weights, optimizer, GradScaler, data position, every
+    rank's RNG states, the configs and the loop's own state (step, guard, early stopping). A LoRA run (lora: its
+    lora_record) saves only the adapters and the record: a few MB."""
+
+    def __init__(self, cfg, model_cfg, stage: str, run: Run, model, optimizer, scaler, loader, guard, early,
+                 lora: dict | None = None):
+        self.cfg, self.model_cfg, self.stage, self.run, self.lora = cfg, model_cfg, stage, run, lora
+        tokenizer = load_tokenizer(cfg.tokenizer_path)  # recorded: sampling, serving and export use the same
+        self.tokenizer = {"path": cfg.tokenizer_path, "fingerprint": tokenizer.fingerprint,
+                          "chat_template": tokenizer.chat_template}
+        self.parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "loader": loader, "guard": guard,
+                      "early_stopping": early}
+
+    def save(self, name: str, step: int):
+        """Write out_dir/name atomically (every rank must call this: RNG states are gathered; rank 0 writes);
+        after a step_*.pt, keep only the newest keep_checkpoints of them."""
+        state = {key: part.state_dict() for key, part in self.parts.items()}
+        state |= {"step": step, "stage": self.stage, "config": dataclasses.asdict(self.cfg), "tokenizer": self.tokenizer,
+                  "model_config": dataclasses.asdict(self.model_cfg), "rng": gather_rng_states(self.run)}
+        if self.lora:
+            state |= {"model": adapter_state(self.parts["model"]), "lora": self.lora}
+        if self.run.ddp:  # DDP keeps replicas identical; prove it rather than checkpoint one of many
+            state["rank_weight_diff"] = rank_weight_diff(self.parts["model"], self.run)
+            if state["rank_weight_diff"] > 0:
+                raise RuntimeError(f"ranks hold different weights (max |diff| {state['rank_weight_diff']:.3g})")
+        if not self.run.master:
+            return
+        if not all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point()):
+            raise NonFiniteError("refusing to save a model with non-finite weights")
+        atomic_save(state, os.path.join(self.cfg.out_dir, name))
+        if name.startswith("step_"):
+            for old in sorted(glob.glob(os.path.join(self.cfg.out_dir, "step_*.pt")))[: -self.cfg.keep_checkpoints]:
+                os.remove(old)
+
+    def resume(self, path: str | None) -> int:
+        """Load the checkpoint at path into every part and the RNGs; the step to continue from (0: fresh). The RNGs
+        continue the interrupted run's streams: nothing but training may draw from them after this."""
+        if path is None:
+            return 0
+        state = load_checkpoint(path)
+        if bool(self.lora) != ("lora" in state):
+            raise CheckpointError(f"{path} is {'a LoRA' if 'lora' in state else 'a full'} checkpoint but this run is "
+                                  f"{'LoRA' if self.lora else 'full'} fine-tuning: keep its lora_rank")
+        if self.lora and state["lora"]["base_digest"] != self.lora["base_digest"]:
+            raise CheckpointError(f"{path} trained its adapters on another {state['lora']['base']} than this "
+                                  f"run's {self.lora['base']} (digest {state['lora']['base_digest']} vs "
+                                  f"{self.lora['base_digest']})")
+        load_model_state(self.parts["model"], state["model"], path, adapters_only=bool(self.lora))
+        for key, part in self.parts.items():
+            if key != "model":
+                part.load_state_dict(state[key])
+        set_rng_state(state["rng"][self.run.rank])
+        print0(f"resumed from {path} at step {state['step']}")
+        return state["step"]
+
+
+class EarlyStopping:
+    """Tracks the best validation loss; with a patience, says when to stop (that many evaluations in a row
+    without an improvement of more than threshold)."""
+
+    def __init__(self, patience: int | None = None, threshold: float = 0.0):
+        self.patience, self.threshold = patience, threshold
+        self.best, self.stale = float("inf"), 0
+
+    def update(self, val_loss: float) -> bool:
+        """Record an evaluation; True when it is a new best."""
+        self.stale = 0 if val_loss < self.best - self.threshold else self.stale + 1
+        improved = val_loss < self.best
+        self.best = min(self.best, val_loss)
+        return improved
+
+    @property
+    def should_stop(self) -> bool:
+        if self.patience is not None and self.stale >= self.patience:
+            print0(f"early stopping: {self.stale} evaluations without an improvement of {self.threshold}; "
+                   f"best val_loss {self.best:.4f}")
+            return True
+        return False
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "stale": self.stale}
+
+    def load_state_dict(self, state: dict):
+        self.best, self.stale = state["best"], state["stale"]
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gather_rng_states(run: Run) -> list[dict]:
+    """Every rank's RNG state, so that a resumed DDP run continues each rank's random stream."""
+    if not run.ddp:
+        return [rng_state()]
+    states = [None] * run.world_size
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+def rank_weight_diff(model, run: Run) -> float:
+    """max |w - w on rank 0| over every weight and rank: 0.0 while the replicas are in sync."""
+    flat = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    diff = (flat - reference).abs().max()
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return diff.item()
+
+
+def atomic_save(obj, path: str):
+    """torch.save to a temp file, fsync, rename: a crash leaves the old file or the new one, never half."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)  # make the rename itself durable
+    finally:
+        os.close(fd)
+
+
+# -----------------------------------------------------------------------------
+# loading a checkpoint's model and tokenizer
+
+def load_checkpoint(path: str) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint not found: {path}") from None
+    except Exception as e:  # truncated or garbled: torch raises several kinds
+        others = sorted(set(glob.glob(os.path.join(os.path.dirname(path) or ".", "*.pt"))) - {path})
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e}); "
+                              f"other checkpoints there: {others or 'none'}") from None
+
+
+def load_model_state(model, state_dict: dict, source: str, adapters_only: bool = False):
+    """Every weight of the model (adapters_only: every LoRA adapter) from state_dict, strictly: an error lists
+    every missing, unexpected or reshaped key."""
+    own = adapter_state(model) if adapters_only else model.state_dict()
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    reshaped = [f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}"
+                for k, v in own.items() if k in state_dict and state_dict[k].shape != v.shape]
+    if missing or unexpected or reshaped:
+        raise CheckpointError(f"weights in {source} do not fit this model: missing {missing}, unexpected "
+                              f"{unexpected}, other shape {reshaped}")
+    with torch.no_grad():
+        for k, v in state_dict.items():
+            own[k].copy_(v)  # state_dict() tensors share the parameters' storage
+
+
+def model_from_checkpoint(path: str, device="cpu", **overrides):
+    """(Transformer with the checkpoint's architecture -- model_config updated by overrides such as flash or
+    dropout -- and its weights, loaded strictly; the checkpoint itself). A LoRA checkpoint's adapters come
+    merged onto its base, so that every caller (sampling, evaluation, export, fine-tuning) takes it as it is."""
+    state = load_checkpoint(path)
+    if "lora" in state:
+        return merge_lora(lora_model(state, path, **overrides)).to(device), state
+    model = Transformer(ModelConfig(**{**state["model_config"], **overrides}))
+    load_model_state(model, state["model"], path)
+    return model.to(device), state
+
+
+def checkpoint_tokenizer(state: dict, tokenizer_path: str | None = None):
+    """The tokenizer a checkpoint was trained with: the one its config names (None: the shipped one), or
+    tokenizer_path, which must hold the same files: other ids would turn its output into wrong text, silently."""
+    path = tokenizer_path if tokenizer_path is not None else state.get("config", {}).get("tokenizer_path")
+    tokenizer = load_tokenizer(path)
+    recorded = state.get("tokenizer")  # absent from checkpoints written before it was recorded
+    if recorded and recorded["fingerprint"] != tokenizer.fingerprint:
+        raise TokenizerError(f"tokenizer {path or 'tokenizer/'} is not the one the checkpoint was trained with "
+                             f"({recorded['path'] or 'tokenizer/'}, {recorded['chat_template']} chat template)")
+    return tokenizer
+
+
+def load_model(path: str, device="cpu", tokenizer_path: str | None = None):
+    """(eval-mode model, tokenizer, the checkpoint) for sampling, serving and evaluation: the tokenizer the
+    checkpoint was trained with, or tokenizer_path if it holds the same files."""
+    model, state = model_from_checkpoint(path, device)
+    tokenizer = checkpoint_tokenizer(state, tokenizer_path)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but {path}'s model only "
+                          f"{model.config.vocab_size}: pass the tokenizer_path it was trained with")
+    return model.eval(), tokenizer, state
+
+
+def lora_model(state: dict, path: str, **overrides):
+    """A LoRA checkpoint (state, read from path) as the model it trained, unmerged: its base checkpoint, which
+    must be the very file it was trained on (same digest), with the adapters on top."""
+    lora = state["lora"]
+    if not os.path.isfile(lora["base"]):
+        raise CheckpointError(f"{path} holds LoRA adapters for the base checkpoint {lora['base']}, which is not there")
+    if file_digest(lora["base"]) != lora["base_digest"]:
+        raise CheckpointError(f"{path} holds LoRA adapters trained on another {lora['base']} (digest "
+                              f"{lora['base_digest']}, that file's is now {file_digest(lora['base'])})")
+    model, _ = model_from_checkpoint(lora["base"], **overrides)
+    add_lora(model, lora["rank"], lora["alpha"], lora["dropout"], lora["targets"].split(","))
+    load_model_state(model, state["model"], path, adapters_only=True)
+    return model
+
+
+def lora_record(cfg) -> dict:
+    """What a LoRA checkpoint holds besides its adapters: the base it was trained on and the adapters' shape."""
+    return {"base": cfg.init_from, "base_digest": file_digest(cfg.init_from), "rank": cfg.lora_rank,
+            "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout, "targets": cfg.lora_targets}
+
+
+def finetune_model(cfg, run: Run) -> Transformer:
+    """SFT and DPO: the init_from model (strictly: every key, every shape) with this run's switches (flash,
+    grad_checkpoint, dropout) and, with freeze_embeddings, its token embedding frozen; with lora_rank, all of it
+    frozen under fresh adapters. Sets cfg.tokenizer_path to the checkpoint's tokenizer when it is None, and refuses
+    another tokenizer."""
+    model, state = model_from_checkpoint(cfg.init_from, run.device, flash=cfg.flash,
+                                         grad_checkpoint=cfg.grad_checkpoint, dropout=cfg.dropout)
+    if cfg.tokenizer_path is None:
+        cfg.tokenizer_path = state.get("config", {}).get("tokenizer_path")
+    checkpoint_tokenizer(state, cfg.tokenizer_path)
+    model.tok_embeddings.weight.requires_grad_(not cfg.freeze_embeddings)
+    if cfg.lora_rank:  # everything frozen, adapters added
+        total = model.num_params()
+        add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets.split(","))
+        print0(f"LoRA rank {cfg.lora_rank} on {cfg.lora_targets}: {trainable_params(model):,} parameters train, "
+               f"{total:,} stay frozen")
+    return model

@@ -1,0 +1,306 @@
+"""
+Every training stage's keys, and how a run gets them: the dataclass defaults <- a config file's `key = value`
+lines <- --key=value flags. An unknown key or a wrong type is a ConfigError that names the key and where it came
+from; --help lists every key with its default and its comment.
+
+  TrainConfig      the keys every stage has; PretrainConfig and DistillConfig add theirs
+  FinetuneConfig   SFT and DPO: start from a checkpoint (init_from); SFTConfig, DPOConfig
+  load_config      argv -> one instance of each dataclass asked for (a script's and model.ModelConfig)
+"""
+import ast
+import dataclasses
+import inspect
+import os
+import re
+import sys
+import types
+import typing
+
+from errors import ConfigError
+from lora import TARGETS
+
+
+# -----------------------------------------------------------------------------
+# the keys: a `# --- group` line starts a group of --help, the comment beside a key is its help
+
+@dataclasses.dataclass
+class TrainConfig:
+    """The keys every training stage has. A stage's Config adds its own and overrides defaults."""
+    # --- I/O
+    out_dir: str = "out"  # checkpoints and metrics.jsonl
+    resume: bool = False  # continue from the latest checkpoint in out_dir
+    # --- data
+    data_path: str = "data/train.jsonl"  # a file, a glob (data/pretrain_*.jsonl) or several, comma-separated
+    val_data_path: str | None = None  # the same; None: hold out the last val_fraction of the records
+    val_fraction: float = 0.01
+    tokenizer_path: str | None = None  # None: the tokenizer shipped in tokenizer/
+    # --- training length
+    batch_size: int = 64  # per rank: the global batch is batch_size x accum_steps x ranks
+    accum_steps: int = 1  # micro-batches per optimizer step
+    max_steps: int | None = None  # None: `epochs` passes over the training data
+    epochs: int = 1
+    # --- optimizer: AdamW, weight decay on matrices only
+    lr: float = 5e-4
+    min_lr: float = 1e-5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    # --- schedule: linear warmup to lr, cosine decay to min_lr, stepped once per optimizer step
+    warmup_steps: int = 1000
+    warmup_ratio: float | None = None  # if set: warmup_steps = warmup_ratio * max_steps
+    # --- logging, evaluation, checkpoints
+    log_interval: int = 10  # a console line and a metrics.jsonl row every this many steps
+    eval_interval: int = 2000  # validation loss (and best.pt) every this many steps, and at the end
+    eval_steps: int = 50  # validation batches per evaluation
+    save_interval: int = 5000  # out_dir/step_NNNNNNN.pt every this many steps, at the end and on Ctrl-C
+    keep_checkpoints: int = 3  # the newest step checkpoints kept
+    grad_log_interval: int = 0  # per-layer gradient norms every this many steps (plot.py's gradient flow); 0: off
+    profile: bool = False  # torch.profiler over steps 3-5: a Chrome trace in out_dir and the top ops table
+    wandb: bool = False  # also log to Weights & Biases (needs `pip install wandb`)
+    # --- system
+    device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
+    dtype: str = "auto"  # auto (bfloat16 on GPUs that have it, else float16; float32 on a CPU) | float32 | bfloat16 | float16
+    compile: bool = False  # torch.compile the model
+    seed: int = 1337
+    max_bad_steps: int = 10  # stop after this many non-finite (skipped) steps in a row
+    peak_flops: float = 0.0  # per device, the MFU denominator; 0: measure a large matmul at startup
+
+    def __post_init__(self):
+        positive = ("batch_size", "accum_steps", "epochs", "log_interval", "eval_interval", "eval_steps",
+                    "save_interval", "keep_checkpoints", "max_bad_steps")
+        for key in positive + ("max_steps",) * (self.max_steps is not None):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key {key!r} must be at least 1, got {getattr(self, key)}")
+        if not 0 < self.val_fraction < 1:
+            raise ConfigError(f"config key 'val_fraction' must be between 0 and 1, got {self.val_fraction}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"config key 'dtype' must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
+            raise ConfigError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+
+
+@dataclasses.dataclass
+class FinetuneConfig(TrainConfig):
+    """SFT and DPO: start from a checkpoint and keep its architecture."""
+    # --- I/O
+    init_from: str = "out/pretrain/best.pt"  # the checkpoint to start from; its model config is used
+    # --- data
+    val_fraction: float = 0.05
+    tokenizer_path: str | None = None  # None: the init_from checkpoint's tokenizer (another one is refused)
+    skip_bad: bool = False  # skip (and count) malformed records instead of stopping at the first
+    # --- model switches (the architecture comes from init_from)
+    flash: bool | None = None  # None: SDPA on CUDA, the math path elsewhere (see ModelConfig)
+    grad_checkpoint: bool = False  # recompute each block in backward: less memory, more compute
+    dropout: float = 0.0
+    freeze_embeddings: bool = False  # keep the (tied) token embedding as it was: see configs/demo_sft.py
+    # --- LoRA: train small low-rank adapters on the frozen init_from model instead of the model itself (lora.py)
+    lora_rank: int = 0  # r of every adapter; 0: off, full fine-tuning
+    lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # dropout on the adapters' input
+    lora_targets: str = "wq,wk,wv,wo,w1,w2,w3"  # comma-separated: the projections that get adapters
+    # --- logging, evaluation, checkpoints
+    eval_interval: int = 500  # and at every epoch end
+    save_interval: int = 1000
+    early_stopping_patience: int = 3  # stop after this many evaluations without an improvement of ...
+    early_stopping_threshold: float = 0.0  # ... this much in val_loss
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.lora_rank < 0:
+            raise ConfigError(f"config key 'lora_rank' must be 0 (off) or more, got {self.lora_rank}")
+        unknown = set(self.lora_targets.split(",")) - set(TARGETS)
+        if unknown:
+            raise ConfigError(f"config key 'lora_targets' names {sorted(unknown)}; choose from {','.join(TARGETS)}")
+
+
+@dataclasses.dataclass
+class PretrainConfig(TrainConfig):
+    # --- I/O
+    out_dir: str = "out/pretrain"
+    # --- data
+    data_path: str = "data/pretrain_hq.jsonl"  # JSONL {"text"} or .txt; or a glob / comma list, read as one
+
+
+@dataclasses.dataclass
+class SFTConfig(FinetuneConfig):
+    # --- I/O
+    out_dir: str = "out/sft"
+    # --- data
+    data_path: str = "data/sft_mini_512.jsonl"  # JSONL {"conversations": [{"role", "content"}, ...]}; or a glob / comma list
+    max_seq_len: int = 512  # longer conversations lose their earliest turns
+    # --- training length
+    batch_size: int = 32  # per rank; batches pad to their longest conversation
+    epochs: int = 10  # an upper bound: early stopping usually ends it sooner
+    # --- optimizer: AdamW, weight decay on matrices only
+    lr: float = 2e-5
+    min_lr: float = 2e-6
+    weight_decay: float = 0.01
+    # --- schedule: linear warmup to lr, cosine decay to min_lr, stepped once per optimizer step
+    warmup_steps: int = 0
+    warmup_ratio: float | None = 0.05
+
+
+@dataclasses.dataclass
+class DPOConfig(FinetuneConfig):
+    # --- I/O
+    out_dir: str = "out/dpo"
+    init_from: str = "out/sft/best.pt"  # the policy starts here
+    ref_from: str | None = None  # the frozen reference; None: init_from
+    # --- data
+    data_path: str = "data/dpo.jsonl"  # JSONL {"prompt", "chosen", "rejected"} or message lists; or a glob / comma list
+    max_prompt_length: int | None = None  # longer prompts lose their beginning; None: half of max_seq_len + 1
+    max_completion_length: int | None = None  # longer answers lose their end; None: the rest of max_seq_len + 1
+    # --- DPO
+    beta: float = 0.5  # how far the policy may move from the reference; larger = closer
+    length_norm: bool = True  # mean log-prob per answer token (fair between long and short answers); False: sum
+    precompute_ref: bool = False  # reference log-probs once, before training (cached beside the data)
+    # --- training length
+    batch_size: int = 16  # pairs per rank; each step runs 2 x batch_size sequences
+    epochs: int = 2
+    # --- optimizer: AdamW, weight decay on matrices only
+    lr: float = 5e-6
+    min_lr: float = 5e-7
+    weight_decay: float = 0.0
+    # --- schedule: linear warmup to lr, cosine decay to min_lr, stepped once per optimizer step
+    warmup_steps: int = 100
+
+    def fit_lengths(self, max_seq_len: int) -> "DPOConfig":
+        """This config with max_prompt_length and max_completion_length as set, or splitting the model's
+        max_seq_len + 1 (init_from's)."""
+        prompt = self.max_prompt_length or (max_seq_len + 1) // 2
+        completion = self.max_completion_length or max_seq_len + 1 - prompt
+        if prompt + completion > max_seq_len + 1:
+            raise ConfigError(f"max_prompt_length + max_completion_length = {prompt + completion} exceeds the "
+                              f"model's max_seq_len + 1 = {max_seq_len + 1} ({self.init_from})")
+        return dataclasses.replace(self, max_prompt_length=prompt, max_completion_length=completion)
+
+
+@dataclasses.dataclass
+class DistillConfig(TrainConfig):
+    # --- I/O
+    out_dir: str = "out/distill"
+    teacher: str = "out/pretrain/best.pt"  # the trained checkpoint to learn from; its tokenizer must be this run's
+    init_from: str | None = None  # the student's starting checkpoint; None: a fresh model from the model keys
+    # --- data
+    data_path: str = "data/pretrain_hq.jsonl"  # pretraining documents or SFT conversations (data_kind); glob / list
+    data_kind: str = "pretrain"  # pretrain: loss on every token | sft: loss on the assistant's tokens only
+    skip_bad: bool = False  # sft: skip (and count) malformed records instead of stopping at the first
+    # --- distillation: loss = alpha * T^2 * KL(teacher || student at temperature T) + (1 - alpha) * cross-entropy
+    alpha: float = 0.5  # weight of the teacher's soft targets; 0: plain cross-entropy training
+    temperature: float = 2.0  # T: above 1 the teacher's distribution spreads, showing its ranking of unlikely tokens
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.data_kind not in ("pretrain", "sft"):
+            raise ConfigError(f"config key 'data_kind' must be pretrain or sft, got {self.data_kind!r}")
+        if not 0 <= self.alpha <= 1:
+            raise ConfigError(f"config key 'alpha' must be between 0 and 1, got {self.alpha}")
+        if self.temperature <= 0:
+            raise ConfigError(f"config key 'temperature' must be above 0, got {self.temperature}")
+
+
+# -----------------------------------------------------------------------------
+# reading them: defaults <- config file <- --key=value flags
+
+def read_config_file(path: str) -> dict:
+    """Run a Python config file (plain `key = value` lines) and return the names it sets."""
+    namespace: dict = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            exec(compile(f.read(), path, "exec"), namespace)
+    except (OSError, SyntaxError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from e
+    return {k: v for k, v in namespace.items()
+            if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
+
+
+def parse_flag_value(text: str):
+    """--key=value: a Python literal when it is one (3e-4, 32, True, None), else the string itself."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def check_type(key: str, value, annotation, source: str):
+    allowed = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    if type(value) in allowed:  # exact: a bool is not accepted as an int
+        return value
+    if type(value) is int and float in allowed:
+        return float(value)
+    names = " | ".join(getattr(t, "__name__", str(t)) for t in allowed)
+    raise ConfigError(f"config key {key!r} (from {source}) must be {names}, got {value!r} ({type(value).__name__})")
+
+
+def field_docs(schema) -> dict[str, tuple[str, str]]:
+    """{field: (group, comment)} from the dataclass source: groups are its `# --- name` lines, a field's comment
+    the `# ...` beside it. A subclass's line overrides its base's, keeping the base's comment if it has none."""
+    docs: dict[str, tuple[str, str]] = {}
+    for cls in reversed([c for c in schema.__mro__ if dataclasses.is_dataclass(c)]):
+        group = ""
+        for line in inspect.getsource(cls).splitlines():
+            if line.strip().startswith("# ---"):
+                group = line.strip()[5:].strip()
+            elif m := re.match(r"\s+(\w+): [^#]*?(?:  # (.*))?$", line):
+                docs[m[1]] = (group, m[2] or docs.get(m[1], ("", ""))[1])
+    return docs
+
+
+def help_text(schemas, ignored) -> str:
+    """--help: every key of the schemas with its default and comment, grouped as in the dataclasses."""
+    script = os.path.basename(sys.argv[0]) if sys.argv[0].endswith(".py") else "script.py"
+    lines = [f"usage: python {script} [config_file.py] [--key=value ...]",
+             "A config file's `key = value` lines override the defaults below; --key=value flags override both."]
+    for schema in schemas:
+        docs, groups = field_docs(schema), {}
+        for f in dataclasses.fields(schema):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            group, comment = docs.get(f.name, ("", ""))
+            groups.setdefault(group, []).append((f"--{f.name}={default}", comment))
+        for group, rows in groups.items():
+            lines.append(f"\n{group or schema.__name__}:")
+            width = max(len(flag) for flag, _ in rows)
+            lines += [f"  {flag:<{width}}  {comment}".rstrip() for flag, comment in rows]
+    if ignored:
+        lines.append(f"\nAccepted and ignored (training keys): {', '.join(sorted(ignored))}")
+    return "\n".join(lines)
+
+
+def load_config(argv: list[str], *schemas, ignored=()):
+    """Build one instance of each dataclass in schemas from `[config_file] [--key=value ...]`. Every key must
+    belong to one of the schemas (or to a dataclass in `ignored`: accepted, named in one line, then dropped)
+    and match its field's type. -h / --help prints every key and exits."""
+    argv = list(argv or [])
+    fields = {f.name: (schema, f.type) for schema in schemas for f in dataclasses.fields(schema)}
+    skip = {f.name for schema in ignored for f in dataclasses.fields(schema)} - set(fields)
+    if "-h" in argv or "--help" in argv:
+        print(help_text(schemas, skip))
+        raise SystemExit(0)
+    settings = []  # (key, value, source), applied in order: the file first, then the flags
+    if argv and not argv[0].startswith("--"):
+        path = argv.pop(0)
+        settings += [(k, v, path) for k, v in read_config_file(path).items()]
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ConfigError(f"expected --key=value, got {arg!r}")
+        key, text = arg[2:].split("=", 1)
+        settings.append((key, parse_flag_value(text), "command line"))
+    values: dict = {schema: {} for schema in schemas}
+    dropped = sorted({key for key, _, _ in settings if key in skip})
+    if dropped:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"ignoring training keys that do not apply here: {', '.join(dropped)}", flush=True)
+    for key, value, source in settings:
+        if key in skip:
+            continue
+        if key not in fields:
+            raise ConfigError(f"unknown config key {key!r} (from {source}); known keys: {', '.join(sorted(fields))}")
+        schema, annotation = fields[key]
+        values[schema][key] = check_type(key, value, annotation, source)
+    try:
+        return tuple(schema(**values[schema]) for schema in schemas)
+    except ValueError as e:  # a dataclass's own check (ModelConfig's shapes, TrainConfig's ranges)
+        raise ConfigError(str(e)) from None

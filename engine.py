@@ -1,0 +1,354 @@
+"""
+Generation, written once: sample.py, serve.py, eval.py, eval_demo.py and bench.py all generate through it.
+
+  KVCache       one layer's keys and values for a batch of rows, preallocated
+  sample_next   the next id from last-position logits: temperature, top-k, top-p, repetition penalty
+  Row, Engine   rows decoding together in one KV cache, each at its own position: add() prefills prompts (one
+                forward for prompts of one length; a prompt may start several rows, a group of completions),
+                step() decodes one token for every row, and rows that are done leave the batch
+  generate      prompts -> their rows, decoded together to the end (the plain use of an Engine)
+  TextStream    a row's ids -> the text it may show so far: whole UTF-8 characters, never half a stop string
+  prompt_ids    messages in the chat template, or a text to continue -> the ids to generate from
+
+A row that stops (at a stop string, a tool call) can go on later as a new row whose prompt is everything so far
+plus what comes next: the model continues a cache at any position (Transformer.hidden_states).
+"""
+from dataclasses import dataclass
+
+import torch
+
+from chat import encode_chat
+
+
+class KVCache:
+    """One layer's keys and values, preallocated once: (B, K, max_len, D); a batch of b <= B rows uses rows 0..b-1.
+    Rows share one position (start_pos an int: the rows of one prompt length, in lockstep), or each decodes one
+    token at its own position (start_pos a (b,) tensor: rows that started at different times)."""
+
+    def __init__(self, batch_size: int, max_len: int):
+        self.shape = (batch_size, max_len)
+        self.k = self.v = None  # allocated at the first write, in the dtype attention runs in
+
+    def allocate(self, k, v):
+        B, max_len = self.shape
+        self.k = k.new_zeros(B, k.size(1), max_len, k.size(3))
+        self.v = v.new_zeros(B, v.size(1), max_len, v.size(3))
+
+    def update(self, k, v, start_pos: int | torch.Tensor):
+        """Write k, v (b, K, T, D) at start_pos; return the keys and values rows 0..b-1 attend to: (b, K, start_pos
+        + T, D), or with per-row positions all max_len of them (attention hides each row's keys past its own)."""
+        if self.k is None:
+            self.allocate(k, v)
+        b = k.size(0)
+        if isinstance(start_pos, int):
+            end = start_pos + k.size(2)
+            self.k[:b, :, start_pos:end] = k
+            self.v[:b, :, start_pos:end] = v
+            return self.k[:b, :, :end], self.v[:b, :, :end]
+        rows = torch.arange(b, device=k.device)
+        self.k[rows, :, start_pos] = k[:, :, 0]  # row r's key goes to position start_pos[r]: (b, K, D)
+        self.v[rows, :, start_pos] = v[:, :, 0]
+        return self.k[:b], self.v[:b]
+
+    def prefix(self, length: int) -> "KVCache":
+        """This cache's first `length` positions, sharing its storage: a batch decoding at per-row positions
+        attends to the keys up to its longest row, not to all max_len."""
+        view = KVCache(self.shape[0], length)
+        view.k, view.v = self.k[:, :, :length], self.v[:, :, :length]
+        return view
+
+    def copy_row(self, row: int, src: "KVCache", src_row: int, length: int):
+        """Row `row`'s first `length` positions <- those of src's row src_row: a prompt prefilled elsewhere joins
+        the batch, or the batch's last row moves into the place of one that finished."""
+        if self.k is None:
+            self.allocate(src.k, src.v)
+        self.k[row, :, :length] = src.k[src_row, :, :length]
+        self.v[row, :, :length] = src.v[src_row, :, :length]
+
+
+# -----------------------------------------------------------------------------
+# sampling
+
+MIN_TEMPERATURE = 1e-5  # sampling at a lower temperature is greedy
+
+
+def sample_next(logits, history, temperature: float, top_k: int | None, top_p: float | None,
+                repetition_penalty: float, generator: torch.Generator | None = None):
+    """Pick the next id (B, 1) from last-position logits (B, V) given the ids so far (B, T); random draws come
+    from generator (default: torch's global one)."""
+    logits = logits.float()
+    if repetition_penalty != 1.0:
+        # CTRL's penalty on every id already in the sequence: shrink positive logits, push negative ones down
+        seen = logits.gather(1, history)
+        logits = logits.scatter(1, history, torch.where(seen > 0, seen / repetition_penalty, seen * repetition_penalty))
+    if temperature < MIN_TEMPERATURE:  # 0 means greedy; far below, logits / temperature overflows to inf - inf = nan
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        # nucleus: keep the most likely ids until their mass reaches top_p (the first id always stays)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(dim=-1), num_samples=1, generator=generator)
+
+
+@dataclass(eq=False)  # compared by identity: rows that share one Sampling are sampled in one call
+class Sampling:
+    """How rows pick their next token; temperature 0 is greedy. generator: where random draws come from (None:
+    torch's global generator)."""
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float = 1.0
+    generator: torch.Generator | None = None
+
+
+GREEDY = Sampling(temperature=0.0)
+
+
+# -----------------------------------------------------------------------------
+# rows and the engine
+
+class Row:
+    """One sequence being generated: its prompt, the tokens so far, how it samples and when it ends."""
+
+    def __init__(self, prompt: list[int], max_new: int, sampling: Sampling = GREEDY, eos_id: int | None = None):
+        self.prompt, self.max_new, self.sampling, self.eos_id = prompt, max_new, sampling, eos_id
+        self.tokens: list[int] = []  # generated so far, its eos_id included
+        self.finish_reason: str | None = None  # "stop" (eos_id), "length" (max_new), "error", or the caller's own
+        self.error: Exception | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def cached(self) -> int:
+        """Positions held in the KV cache: the prompt and every generated token but the last (not yet fed)."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+    def append(self, token: int):
+        """Take the next token; a subclass may watch it (a server streams it, and may stop the row itself)."""
+        self.tokens.append(token)
+        if token == self.eos_id:
+            self.finish_reason = "stop"
+        elif len(self.tokens) == self.max_new:
+            self.finish_reason = "length"
+
+    def fail(self, error: Exception):
+        self.finish_reason, self.error = "error", error
+
+
+class Engine:
+    """A batch of up to max_batch rows in one KV cache of max_len positions. Rows that started together decode in
+    lockstep at one position (no attention mask); rows that started at different times each decode at their own.
+    A row leaves the batch when it is done, and the last row moves into its place, so the batch is rows 0..n-1.
+    use_cache=False recomputes every row's whole sequence at each step: the reference the cache is tested
+    against (rows in lockstep only)."""
+
+    def __init__(self, model, max_batch: int, max_len: int | None = None, use_cache: bool = True):
+        self.model, self.max_batch = model, max_batch
+        self.max_len = max_len or model.config.max_seq_len
+        self.device = next(model.parameters()).device
+        self.caches = [KVCache(max_batch, self.max_len) for _ in model.layers] if use_cache else None
+        self.rows: list[Row] = []  # row i of the caches holds rows[i]
+
+    @torch.no_grad()
+    def add(self, rows: list[Row]):
+        """Prefill the rows' prompts, which must have one length, in one forward pass (a prompt that several rows
+        share, once), and sample each row's first token."""
+        if len(self.rows) + len(rows) > self.max_batch:
+            raise ValueError(f"{len(self.rows)} rows + {len(rows)} new ones exceed max_batch={self.max_batch}")
+        prompts = list(dict.fromkeys(tuple(row.prompt) for row in rows))  # each distinct prompt once, in order
+        T = len(prompts[0])
+        for row in rows:
+            if len(row.prompt) != T or len(row.prompt) + row.max_new > self.max_len:
+                raise ValueError(f"prompts of one length whose max_new tokens fit in {self.max_len} positions: got "
+                                 f"a prompt of {len(row.prompt)} tokens (first {T}) and max_new {row.max_new}")
+        source = [prompts.index(tuple(row.prompt)) for row in rows]  # each row's prompt in the prefill batch
+        ids = torch.tensor(prompts, device=self.device)  # (p, T)
+        if self.caches is None:
+            logits, _ = self.model(ids)
+        else:
+            own = [KVCache(len(prompts), T) for _ in self.caches]
+            logits, _ = self.model(ids, caches=own)
+            for r, p in enumerate(source):
+                for cache, prefilled in zip(self.caches, own):
+                    cache.copy_row(len(self.rows) + r, prefilled, p, T)
+        self.rows += rows
+        self.sample(rows, logits[source, -1])
+        self.drop_done()
+
+    @torch.no_grad()
+    def step(self):
+        """One token for every row, then the rows that are done leave."""
+        if not self.rows:
+            return
+        positions = [row.cached for row in self.rows]
+        tokens = torch.tensor([[row.tokens[-1]] for row in self.rows], device=self.device)  # (n, 1)
+        if self.caches is None:  # the whole sequence again
+            logits, _ = self.model(torch.tensor([row.prompt + row.tokens for row in self.rows], device=self.device))
+        elif len(set(positions)) == 1:  # in lockstep: one position, every cached key visible
+            logits, _ = self.model(tokens, caches=self.caches, start_pos=positions[0])
+        else:  # each row at its own position, against the keys up to the longest row's
+            caches = [cache.prefix(max(positions) + 1) for cache in self.caches]
+            logits, _ = self.model(tokens, caches=caches, start_pos=torch.tensor(positions, device=self.device))
+        self.sample(self.rows, logits[:, -1])
+        self.drop_done()
+
+    def sample(self, rows: list[Row], logits):
+        """Each row's next token from its logits (n, V): the rows that share a Sampling in one call (one host
+        sync), so a sampling that fails fails its own rows alone."""
+        groups: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            groups.setdefault(id(row.sampling), []).append(i)
+        for indices in groups.values():
+            s = rows[indices[0]].sampling
+            try:
+                history = ids_so_far([rows[i] for i in indices], self.device) if s.repetition_penalty != 1.0 else None
+                chosen = sample_next(logits[indices], history, s.temperature, s.top_k, s.top_p, s.repetition_penalty,
+                                     s.generator)[:, 0].tolist()
+            except Exception as e:  # a server's client may send what fails here: only its rows end
+                for i in indices:
+                    rows[i].fail(e)
+                continue
+            for i, token in zip(indices, chosen):
+                rows[i].append(token)
+
+    def drop_done(self):
+        for i in reversed(range(len(self.rows))):  # rows after i are live by now: the last may move into i
+            if self.rows[i].done:
+                last = self.rows.pop()
+                if i < len(self.rows):
+                    if self.caches is not None:
+                        for cache in self.caches:
+                            cache.copy_row(i, cache, len(self.rows), last.cached)
+                    self.rows[i] = last
+
+
+def ids_so_far(rows: list[Row], device) -> torch.Tensor:
+    """(n, T) prompt and generated ids of each row, shorter ones padded with their own first id (the repetition
+    penalty counts an id once however often it appears)."""
+    seqs = [row.prompt + row.tokens for row in rows]
+    longest = max(map(len, seqs))
+    return torch.tensor([[s[0]] * (longest - len(s)) + s for s in seqs], device=device)
+
+
+def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = GREEDY,
+             eos_id: int | None = None, use_cache: bool = True):
+    """Decode prompts (id lists of one length) together until each row has max_new_tokens tokens or its eos_id.
+    Yields the rows (in the prompts' order) after the prefill and after every decode step: each row's .tokens
+    grows by one until it is done. A failed row raises its error."""
+    rows = [Row(list(p), max_new_tokens, sampling, eos_id) for p in prompts]
+    engine = Engine(model, len(rows), len(rows[0].prompt) + max_new_tokens, use_cache)
+    engine.add(rows)
+    while True:
+        for row in rows:
+            if row.error is not None:
+                raise row.error
+        yield rows
+        if not engine.rows:
+            return
+        engine.step()
+
+
+def complete(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = GREEDY,
+             batch_size: int = 64) -> list[str]:
+    """The text of each prompt's completion up to its end of turn (eos), without the template's surrounding
+    spaces. Prompts of one length decode together, batch_size at a time; each gets at most max_new_tokens, and at
+    most what the model's context leaves."""
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        by_length.setdefault(len(ids), []).append(i)
+    texts = [""] * len(prompts)
+    for length, indices in by_length.items():
+        for start in range(0, len(indices), batch_size):
+            chunk = indices[start : start + batch_size]
+            new = min(max_new_tokens, model.config.max_seq_len - length)
+            for rows in generate(model, [prompts[i] for i in chunk], new, sampling, tokenizer.eos_id):
+                pass
+            for i, row in zip(chunk, rows):
+                ids = row.tokens[:-1] if row.finish_reason == "stop" else row.tokens
+                texts[i] = tokenizer.decode(ids).strip()
+    return texts
+
+
+# -----------------------------------------------------------------------------
+# prompts and text
+
+def prompt_ids(tokenizer, messages: list[dict] | str, system: str | None = None, max_len: int | None = None):
+    """The ids to generate from: messages in the tokenizer's chat template, ending with its generation prompt
+    (the earliest turns dropped to fit max_len); or a text to continue, after <s> (its beginning dropped)."""
+    if isinstance(messages, str):
+        ids = [tokenizer.bos_id] + tokenizer.encode(messages)
+        return ids[-max_len:] if max_len is not None else ids
+    ids, _ = encode_chat(tokenizer, messages, system, max_len=max_len)
+    return ids
+
+
+class TextStream:
+    """A row's token ids -> the text that may be shown so far: never half a multi-byte character (it waits for
+    the rest), never the beginning of what may still become a stop string, nor the stop string and what follows.
+    strip: a chat answer loses the template's spaces around it."""
+
+    def __init__(self, tokenizer, stop: list[str] = (), strip: bool = True):
+        self.tokenizer, self.stop, self.strip = tokenizer, list(stop), strip
+        self.borders = [borders(s) for s in self.stop]
+        self.ids: list[int] = []
+        self.sent = ""
+        self.stopped = False
+        self.waited = 0  # tokens held back in a row for an incomplete character; 4 means it never completes
+
+    def add(self, token: int) -> str:
+        """The next new text after token (maybe ""); sets stopped when a stop string appears."""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        text = text.lstrip(" ") if self.strip else text
+        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if found:
+            self.stopped = True
+            return self.send(text[: min(found)].rstrip(" ") if self.strip else text[: min(found)])
+        self.waited += 1
+        if text.endswith("\ufffd") and self.waited < 4:  # a cut character: its other (at most 3) bytes come next
+            return ""
+        self.waited = 0
+        held = max([overlap(text, s, b) for s, b in zip(self.stop, self.borders)], default=0)
+        if self.strip:
+            held = max(held, len(text) - len(text.rstrip(" ")))
+        return self.send(text[: len(text) - held])
+
+    def finish(self) -> str:
+        """The rest of the text, when the answer ends without a stop string."""
+        text = self.tokenizer.decode(self.ids)
+        return self.send(text.strip(" ") if self.strip else text)
+
+    def send(self, text: str) -> str:
+        new = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent += new
+        return new
+
+
+def borders(s: str) -> list[int]:
+    """KMP's table: borders[i] = the length of the longest proper prefix of s[: i + 1] that also ends it."""
+    table, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        k += s[i] == s[k]
+        table[i] = k
+    return table
+
+
+def overlap(text: str, stop: str, table: list[int]) -> int:
+    """The length of the longest proper prefix of stop that text ends with: KMP over text's last len(stop) - 1
+    characters, so linear in len(stop) where trying every prefix would be quadratic."""
+    k = 0
+    for c in text[max(0, len(text) - len(stop) + 1):]:
+        while k and c != stop[k]:
+            k = table[k - 1]
+        k += c == stop[k]
+    return k

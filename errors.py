@@ -1,0 +1,45 @@
+"""
+A user's mistake -- a config key, a data file, a tokenizer, a checkpoint, a run that diverges -- is one line
+`error: ...` and exit status 2; a traceback means a bug. Every kind of mistake is a UserError, raised where it is
+found with a message that names the key, file, line or field.
+"""
+import os
+import sys
+
+
+class UserError(Exception):
+    """Something the user gave cannot work."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config key that is unknown, of the wrong type or out of range."""
+
+
+class DataError(UserError, ValueError):
+    """A data file that cannot train: missing, malformed, or too small for the batch asked for."""
+
+
+class BadRecord(DataError):
+    """One malformed record; whoever reads the file adds its file:line."""
+
+
+class TokenizerError(UserError, ValueError):
+    """A tokenizer file that cannot be loaded, or not the one a checkpoint was trained with."""
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be read, or does not fit the model or run it is loaded into."""
+
+
+class NonFiniteError(UserError, RuntimeError):
+    """A run that diverged: too many non-finite steps in a row, or non-finite weights to save."""
+
+
+def cli(main):
+    """The entry point of a script: main(sys.argv[1:]), a UserError (or a missing file) as one line, exit 2."""
+    try:
+        main(sys.argv[1:])
+    except (UserError, FileNotFoundError) as e:
+        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every rank fails alike: rank 0 says it
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,199 @@
+"""
+The process a script runs in: which device and precision, torchrun's process group, the seeds, printing on
+rank 0 only, and Ctrl-C / SIGTERM.
+
+  setup(device, dtype, seed) -> Run     device, autocast dtype, rank and world size; joins torchrun's group
+  Run.autocast / no_sync / rank0_first  the precision, DDP's gradient sync, "rank 0 builds the cache first"
+  print0, all_reduce_mean, wrap         rank-0 printing, averaging over ranks, DDP (and compile) around a model
+  StopSignal                            a signal asks the loop to save and stop between optimizer steps
+"""
+import ctypes
+import dataclasses
+import os
+import random
+import signal
+import sys
+from contextlib import contextmanager, nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def master_process() -> bool:
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def print0(*args, **kwargs):
+    if master_process():
+        print(*args, **kwargs, flush=True)
+
+
+@dataclasses.dataclass
+class Run:
+    device: torch.device
+    dtype: str  # float32 | bfloat16 | float16
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def ddp(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self):
+        if self.dtype == "float32":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, self.dtype))
+
+    def no_sync(self, model, last_micro_step: bool):
+        """DDP all-reduces the gradients in the backward of the last micro-step only."""
+        return nullcontext() if last_micro_step or not self.ddp else model.no_sync()
+
+    @contextmanager
+    def rank0_first(self, waiting: str = "waiting for rank 0"):
+        """Rank 0 runs the block first (e.g. builds a data cache), the other ranks then run it (and read it)."""
+        if self.ddp and not self.master:
+            if self.rank == 1:  # one line for all the waiting ranks, not silence
+                print(f"ranks 1..{self.world_size - 1}: {waiting}", flush=True)
+            dist.barrier()
+        yield
+        if self.ddp and self.master:
+            dist.barrier()
+
+
+def pick_device(device: str) -> str:
+    if device != "auto":
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    return "mps" if torch.backends.mps.is_available() else "cpu"
+
+
+def pick_dtype(dtype: str, device_type: str) -> str:
+    """auto: bfloat16 where the device computes it natively, float16 (with its GradScaler) on older GPUs,
+    float32 on a CPU (bfloat16 autocast on a CPU is faster only with AVX512-BF16 or AMX: ask for it)."""
+    if dtype != "auto":
+        return dtype
+    if device_type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if device_type == "mps":
+        return "bfloat16" if torch.backends.mps.is_macos_or_newer(14, 0) else "float16"
+    return "float32"
+
+
+def keep_freed_memory():
+    """On a CPU, glibc returns every freed buffer over 32 MB to the kernel, and each step then page-faults its
+    logits and attention buffers in again; keep freed memory in the heap for reuse instead (figures:
+    docs/performance.md)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl): its allocator is left as it is
+        return
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+    libc.mallopt(M_MMAP_MAX, 0)  # no mmap: every allocation from the heap
+    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # and what is freed stays there for reuse (unless 2 GiB are free)
+
+
+def setup(device: str, dtype: str, seed: int) -> Run:
+    """Pick device and precision, join torchrun's process group if launched by it, and seed every RNG.
+    Every rank seeds alike (the model starts identical everywhere); call seed_rank() after building it."""
+    device = pick_device(device)
+    run = Run(torch.device(device), pick_dtype(dtype, torch.device(device).type))
+    if run.device.type == "cpu":
+        keep_freed_memory()
+    if "RANK" in os.environ:  # launched by torchrun: join the group or fail, never train unsynchronised
+        run.rank, run.local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        run.world_size = int(os.environ["WORLD_SIZE"])
+        if run.device.type == "cuda":
+            run.device = torch.device("cuda", run.local_rank)
+            torch.cuda.set_device(run.device)
+        cuda = run.device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=run.device if cuda else None)
+        if dist.get_world_size() != run.world_size:
+            raise RuntimeError(f"process group has {dist.get_world_size()} ranks, WORLD_SIZE says {run.world_size}")
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return run
+
+
+def seed_rank(seed: int, run: Run):
+    """After the model is built: a different random stream per rank (dropout), reproducible per rank."""
+    torch.manual_seed(seed + run.rank)
+
+
+def teardown(run: Run):
+    if run.ddp and dist.is_initialized():
+        dist.barrier()  # leave together: a rank that tears down while another still talks to it can abort (gloo)
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(t: torch.Tensor, run: Run) -> torch.Tensor:
+    if run.ddp:
+        t = t.clone()
+        dist.all_reduce(t)
+    return t
+
+
+def all_reduce_mean(t: torch.Tensor, run: Run) -> torch.Tensor:
+    return all_reduce_sum(t, run) / run.world_size if run.ddp else t
+
+
+def print_run(cfg, model_cfg, run: Run):
+    print0(f"config: {dataclasses.asdict(cfg)}\nmodel: {dataclasses.asdict(model_cfg)}\n"
+           f"device {run.device}, dtype {run.dtype}, {run.world_size} rank(s)")
+    if run.device.type == "cpu" and run.dtype == "float16":
+        print0("warning: most CPUs emulate float16 matmuls, far slower than float32: use bfloat16 or float32")
+
+
+def wrap(model, cfg, run: Run):
+    """The model the loop trains: compiled if asked, DDP-wrapped under torchrun. Keep the unwrapped one too."""
+    if cfg.compile:
+        model = torch.compile(model)
+    if run.ddp:
+        device_ids = [run.device.index] if run.device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    return model
+
+
+def synchronize(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+class StopSignal:
+    """SIGINT/SIGTERM set a flag; the loop checks it between optimizer steps, saves and exits."""
+
+    def __init__(self):
+        self.received = False
+        self.previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore(self):
+        """Give the signals back (a process that goes on after training, e.g. a notebook, gets Ctrl-C back)."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handler(self, signum, frame):
+        if self.received:  # a second Ctrl-C: the user means it
+            raise KeyboardInterrupt
+        self.received = True
+        print(f"\nreceived signal {signum}: saving a checkpoint after this step, then exiting", file=sys.stderr, flush=True)
+
+    def requested(self, run: Run, step: int) -> bool:
+        """All ranks agree, so no rank leaves the loop while another waits in a collective. A collective: call
+        it where every rank does (at log steps)."""
+        stop = self.received
+        if run.ddp:
+            flag = torch.tensor([float(self.received)], device=run.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+        if stop:
+            print0(f"stopped at step {step}; continue with --resume=True")
+        return stop
