@@ -35,7 +35,7 @@ from config import load_config
 from data import Loader, PretrainData, pad_rows
 from engine import Sampling, complete
 from errors import BadRecord, ConfigError, DataError, cli
-from losses import bits_per_byte, count_token_bytes, lm_sums, perplexity, sequence_logprobs
+from losses import count_token_bytes, lm_totals, sequence_logprobs
 from metrics import parse_row
 from runtime import setup
 from token_cache import parse_line, tokenize_file
@@ -110,21 +110,6 @@ def load(cfg: EvalConfig):
     run = setup(cfg.device, cfg.dtype, cfg.seed)
     model, tokenizer, state = load_model(cfg.ckpt, run.device, cfg.tokenizer_path)
     return model, tokenizer, state, run
-
-
-@torch.no_grad()
-def lm_totals(model, batches, token_bytes, run) -> dict[str, float]:
-    """Summed over the batches' scored targets: nats, tokens and bytes; and from them loss (nats per token),
-    ppl and bpb."""
-    nats = tokens = n_bytes = 0.0
-    for X, Y, loss_mask, _ in batches:
-        with run.autocast():
-            sums = lm_sums(model, X, Y, loss_mask, token_bytes)
-        nats, n_bytes = nats + sums["nats"].item(), n_bytes + sums["bytes"].item()
-        tokens += loss_mask.sum().item()
-    loss = nats / max(tokens, 1)
-    return {"loss": loss, "ppl": perplexity(loss), "bpb": bits_per_byte(nats, n_bytes), "tokens": int(tokens),
-            "bytes": int(n_bytes)}
 
 
 # -----------------------------------------------------------------------------

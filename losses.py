@@ -37,11 +37,10 @@ def count_token_bytes(tokenizer) -> torch.Tensor:
 
 
 def lm_sums(model, X, Y, loss_mask, token_bytes: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One forward pass: the masked mean cross-entropy ("loss", as training computes it) and, for bits per byte,
-    the summed cross-entropy of the scored targets in nats and the UTF-8 bytes those targets stand for."""
+    """One forward pass: the summed cross-entropy of the scored targets in nats, their number, and the UTF-8
+    bytes they stand for."""
     _, ce = model(X, Y, reduction="none")  # (B, T) nats per target
-    return {"loss": (ce * loss_mask).sum() / loss_mask.sum().clamp(min=1), "nats": (ce * loss_mask).sum(),
-            "bytes": (token_bytes.to(Y.device)[Y] * loss_mask).sum()}
+    return {"nats": (ce * loss_mask).sum(), "tokens": loss_mask.sum(), "bytes": (token_bytes.to(Y.device)[Y] * loss_mask).sum()}
 
 
 def bits_per_byte(nats: float, n_bytes: float) -> float:
@@ -51,32 +50,40 @@ def bits_per_byte(nats: float, n_bytes: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(loss_fn, loader, steps: int, run: Run) -> dict[str, float]:
-    """Mean of loss_fn(X, Y, loss_mask, indices) -> {name: scalar tensor} over (up to) the first `steps` evaluation
-    batches of every rank, reduced over ranks once at the end (ranks may hold one batch more or less)."""
-    totals, n = None, 0
-    for batch in loader.batches(steps):
-        metrics = loss_fn(*batch)
-        values = torch.stack([v.detach().float() for v in metrics.values()])
-        totals = values if totals is None else totals + values
-        n += 1
-    summed = torch.cat([totals, torch.tensor([float(n)], device=totals.device)])
-    if run.ddp:
-        dist.all_reduce(summed)
-    return {k: (v / summed[-1]).item() for k, v in zip(metrics, summed[:-1])}
+def evaluate(batch_sums, batches, run: Run) -> dict[str, float]:
+    """batch_sums(X, Y, loss_mask, indices) -> {name: scalar tensor}, summed over the batches and over the ranks
+    (in float64: a long evaluation's sums stay exact); the caller divides each by the count it summed (tokens,
+    pairs), so every item weighs alike however the batches split them."""
+    names, totals = [], None
+    for batch in batches:
+        sums = batch_sums(*batch)
+        values = torch.stack([v.detach().float() for v in sums.values()]).tolist()  # one host sync per batch
+        names, totals = list(sums), values if totals is None else [t + v for t, v in zip(totals, values)]
+    if run.ddp:  # every rank holds at least one batch (Loader), perhaps one more than another
+        reduced = torch.tensor(totals, dtype=torch.float64, device=run.device)
+        dist.all_reduce(reduced)
+        totals = reduced.tolist()
+    return dict(zip(names, totals))
+
+
+def lm_totals(model, batches, token_bytes: torch.Tensor, run: Run) -> dict[str, float]:
+    """The language-model loss, defined once: the summed cross-entropy of every scored target over their number,
+    across all batches and ranks; with its perplexity, bits per byte, tokens and bytes. Training's validation and
+    eval.py both report it. The model evaluates in eval mode (no dropout) and is put back as it was."""
+    was_training = model.training
+    model.eval()
+    with run.autocast():
+        t = evaluate(lambda X, Y, M, _: lm_sums(model, X, Y, M, token_bytes), batches, run)
+    model.train(was_training)
+    loss = t["nats"] / max(t["tokens"], 1)
+    return {"loss": loss, "ppl": perplexity(loss), "bpb": bits_per_byte(t["nats"], t["bytes"]),
+            "tokens": int(t["tokens"]), "bytes": int(t["bytes"])}
 
 
 def validation_loss(model, loader, steps: int, run: Run, token_bytes: torch.Tensor) -> dict[str, float]:
-    """{val_loss, val_ppl, val_bpb} on the first `steps` validation batches: val_loss is the language-model loss
-    (masked mean cross-entropy, per batch, averaged), val_bpb the summed cross-entropy of all their scored targets
-    over their bytes."""
-    model.eval()
-    with run.autocast():
-        sums = evaluate(lambda X, Y, M, _: lm_sums(model, X, Y, M, token_bytes), loader, steps, run)
-    model.train()
-    # evaluate() averages every entry over the batches alike, so nats / bytes is the ratio of the totals
-    return {"val_loss": sums["loss"], "val_ppl": perplexity(sums["loss"]),
-            "val_bpb": bits_per_byte(sums["nats"], sums["bytes"])}
+    """{val_loss, val_ppl, val_bpb} over the first `steps` validation batches of every rank (lm_totals)."""
+    t = lm_totals(model, loader.batches(steps), token_bytes, run)
+    return {"val_loss": t["loss"], "val_ppl": t["ppl"], "val_bpb": t["bpb"]}
 
 
 def sequence_logprobs(model, X, Y, loss_mask, length_norm: bool) -> torch.Tensor:

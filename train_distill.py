@@ -72,19 +72,20 @@ def load_teacher(cfg, student: Transformer, run) -> Transformer:
 
 
 def validation_metrics(model, teacher, val_loader, cfg, run) -> dict[str, float]:
-    """val_loss: the student's cross-entropy (comparable with a student trained without a teacher), val_kl: its
-    KL from the teacher at temperature T, both per loss-carrying token, on the first eval_steps batches."""
-    def batch_metrics(X, Y, loss_mask, _):
+    """val_loss: the student's cross-entropy (comparable with a student trained without a teacher, as
+    losses.lm_totals defines it), val_kl: its KL from the teacher at temperature T, both per loss-carrying token,
+    on the first eval_steps batches."""
+    def batch_sums(X, Y, loss_mask, _):
         logits, ce = model(X, Y, reduction="none")
         _, kl_sum, ce_sum = distill_loss(logits, teacher(X, Y)[0], ce, loss_mask, cfg.alpha, cfg.temperature)
-        n = loss_mask.sum().clamp(min=1)
-        return {"loss": ce_sum / n, "kl": kl_sum / n}
+        return {"loss": ce_sum, "kl": kl_sum, "tokens": loss_mask.sum()}
 
     model.eval()
     with run.autocast():
-        metrics = evaluate(batch_metrics, val_loader, cfg.eval_steps, run)
+        sums = evaluate(batch_sums, val_loader.batches(cfg.eval_steps), run)
     model.train()
-    return {f"val_{k}": v for k, v in metrics.items()} | {"val_ppl": perplexity(metrics["loss"])}
+    tokens = max(sums.pop("tokens"), 1)
+    return {f"val_{k}": v / tokens for k, v in sums.items()} | {"val_ppl": perplexity(sums["loss"] / tokens)}
 
 
 def main(argv: list[str]):

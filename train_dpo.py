@@ -109,18 +109,19 @@ def pair_loss(policy, reference: Reference, batch, split: str, cfg):
 def validation_metrics(model, reference: Reference, val_loader, cfg, run, token_bytes) -> dict[str, float]:
     """val_loss, the validation rewards and val_bpb (bits per byte of the chosen answers, comparable with SFT's),
     on the first eval_steps validation batches."""
-    def batch_metrics(X, Y, loss_mask, idx):
-        loss, metrics = pair_loss(model, reference, (X, Y, loss_mask, idx), "val", cfg)
-        n = X.size(0) // 2  # the chosen rows come first
+    def batch_sums(X, Y, loss_mask, idx):
+        loss, metrics = pair_loss(model, reference, (X, Y, loss_mask, idx), "val", cfg)  # means over the pairs
+        n = X.size(0) // 2  # pairs: the chosen rows come first
         chosen = lm_sums(model, X[:n], Y[:n], loss_mask[:n], token_bytes)
-        return {"loss": loss, **metrics, "nats": chosen["nats"], "bytes": chosen["bytes"]}
+        return {"loss": loss * n, **{k: v * n for k, v in metrics.items()}, "pairs": loss.new_tensor(n),
+                "nats": chosen["nats"], "bytes": chosen["bytes"]}
 
     model.eval()
     with run.autocast():
-        metrics = evaluate(batch_metrics, val_loader, cfg.eval_steps, run)
+        sums = evaluate(batch_sums, val_loader.batches(cfg.eval_steps), run)
     model.train()
-    val_bpb = bits_per_byte(metrics.pop("nats"), metrics.pop("bytes"))
-    return {f"val_{k}": v for k, v in metrics.items()} | {"val_bpb": val_bpb}
+    pairs, val_bpb = sums.pop("pairs"), bits_per_byte(sums.pop("nats"), sums.pop("bytes"))
+    return {f"val_{k}": v / pairs for k, v in sums.items()} | {"val_bpb": val_bpb}
 
 
 def make_reference(cfg, run, model, loader, val_loader) -> Reference:

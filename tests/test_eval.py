@@ -91,8 +91,10 @@ def test_bpb_of_a_text_is_its_nats_over_ln2_over_its_bytes(tmp_path):
     assert report["sections"]["bpb"]["bpb"] == section["bpb"]
 
 
-def test_validation_bpb_counts_the_answers_bytes_and_not_the_template():
-    """val_bpb of SFT conversations: all answer tokens' and </s>'s nats, over the bytes of ' {answer} ' (llama2)."""
+def test_validation_loss_weighs_every_token_alike_and_bpb_counts_the_answers_bytes_not_the_template():
+    """val_loss of SFT conversations in batches of different sizes: all answer tokens' nats over their number (what
+    eval.py reports too), not a mean of the batches' means; val_bpb: those nats over the bytes of ' {answer} '
+    (llama2)."""
     tok = load_tokenizer()
     convs = [[{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5."},
               {"role": "user", "content": "和呢？"}, {"role": "assistant", "content": "五。"}],
@@ -100,15 +102,18 @@ def test_validation_bpb_counts_the_answers_bytes_and_not_the_template():
               {"role": "assistant", "content": "Peru is in South America."}]]
     model = tiny_model(max_seq_len=64)
     rows = [tuple(np.array(a) for a in encode_chat(tok, c)) for c in convs]
-    nats = 0.0
+    nats, tokens, means = 0.0, 0.0, []
     for ids, mask in rows:
         X, Y, M = pad_rows([(ids, mask)], tok.pad_id)
         with torch.no_grad():
             _, ce = model(X, Y, reduction="none")
-        nats += (ce * M).sum().item()
+        nats, tokens = nats + (ce * M).sum().item(), tokens + M.sum().item()
+        means.append((ce * M).sum().item() / M.sum().item())
     n_bytes = sum(len(f" {m['content']} ".encode()) for c in convs for m in c if m["role"] == "assistant")
     loader = Loader(SFTData([(ids, mask) for ids, mask in rows]), batch_size=1, pad_id=tok.pad_id)
     val = validation_loss(model, loader, 10, Run(torch.device("cpu"), "float32"), count_token_bytes(tok))
+    assert val["val_loss"] == pytest.approx(nats / tokens, rel=1e-6)
+    assert abs(nats / tokens - sum(means) / len(means)) > 1e-3  # the batches' answers differ in length: it matters
     assert val["val_bpb"] == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
 
 
