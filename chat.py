@@ -148,94 +148,84 @@ def split_reasoning(message) -> tuple[str, str]:
     return "", content
 
 
-def chatml_pieces(tokenizer, messages: list[dict], tools: list | None) -> list[tuple[str, int, bool]]:
-    """Messages -> [(text, carries loss, is markup)]; markup's added tokens (<|im_start|>, <think>, ...) become
-    their ids, as apply_chat_template's tokenizer finds them; what the data says (content, tools) never does."""
-    pieces = []
+def markup(text: str, loss: int = 0) -> tuple[str, int, bool]:
+    """A piece of the template: its added tokens (<|im_start|>, <think>, ...) become their ids."""
+    return text, loss, True
 
-    def markup(text, loss=0):
-        pieces.append((text, loss, True))
 
-    def data(text, loss=0):
-        pieces.append((text, loss, False))
+def data(text: str, loss: int = 0) -> tuple[str, int, bool]:
+    """A piece of what the data says: always text, even where it spells an added token."""
+    return text, loss, False
 
-    first_system = messages[0]["role"] == "system"
-    if tools:
-        markup("<|im_start|>system\n")
-        if first_system:
-            data(messages[0].get("content") or "")
-            markup("\n\n")
-        markup(TOOLS_HEADER)
-        for tool in tools:
-            markup("\n")
-            data(json.dumps(tool, ensure_ascii=False))  # Jinja's tojson as transformers defines it
-        markup(TOOLS_FOOTER)
-    elif first_system:
-        markup("<|im_start|>system\n")
-        data(messages[0].get("content") or "")
-        markup("<|im_end|>\n")
+
+def chatml_pieces(messages: list[dict], tools: list | None) -> list[tuple[str, int, bool]]:
+    """Messages -> [(text, carries loss, is markup)], in MiniMind's template."""
+    pieces = system_pieces(messages[0] if messages[0]["role"] == "system" else None, tools)
     for i, m in enumerate(messages):
-        role, content = m["role"], m.get("content") or ""
-        if role == "user" or (role == "system" and i > 0):
-            markup(f"<|im_start|>{role}\n")
-            data(content)
-            markup("<|im_end|>\n")
-        elif role == "assistant":
-            reasoning, content = split_reasoning(m)
-            markup("<|im_start|>assistant\n")
-            markup("<think>\n", 1)
-            data(reasoning.strip("\n"), 1)
-            markup("\n</think>\n\n", 1)
-            data(content.lstrip("\n"), 1)
-            for j, call in enumerate(m.get("tool_calls") or []):
-                call = call.get("function", call)
-                if j > 0 or content:
-                    markup("\n", 1)
-                markup('<tool_call>\n{"name": "', 1)
-                data(call["name"], 1)
-                markup('", "arguments": ', 1)
-                args = call["arguments"]
-                data(args if isinstance(args, str) else json.dumps(args, ensure_ascii=False), 1)
-                markup("}\n</tool_call>", 1)
-            markup("<|im_end|>", 1)
-            markup("\n")
-        elif role == "tool":
-            if i == 0 or messages[i - 1]["role"] != "tool":
-                markup("<|im_start|>user")
-            markup("\n<tool_response>\n")
-            data(content)
-            markup("\n</tool_response>")
-            if i == len(messages) - 1 or messages[i + 1]["role"] != "tool":
-                markup("<|im_end|>\n")
+        if m["role"] == "user" or (m["role"] == "system" and i > 0):
+            pieces += [markup(f"<|im_start|>{m['role']}\n"), data(m.get("content") or ""), markup("<|im_end|>\n")]
+        elif m["role"] == "assistant":
+            pieces += assistant_pieces(m)
+        elif m["role"] == "tool":  # consecutive tool results share one user turn
+            first = i == 0 or messages[i - 1]["role"] != "tool"
+            last = i + 1 == len(messages) or messages[i + 1]["role"] != "tool"
+            pieces += [markup("<|im_start|>user")] * first + tool_pieces(m) + [markup("<|im_end|>\n")] * last
     if messages[-1]["role"] != "assistant":
-        markup(GENERATION_PROMPT)
+        pieces.append(markup(GENERATION_PROMPT))
     return pieces
+
+
+def system_pieces(system: dict | None, tools: list | None) -> list[tuple[str, int, bool]]:
+    """The system turn: the system message (if any), then the tools block (if any); neither: nothing."""
+    if not tools and not system:
+        return []
+    if not tools:
+        return [markup("<|im_start|>system\n"), data(system.get("content") or ""), markup("<|im_end|>\n")]
+    pieces = [markup("<|im_start|>system\n")]
+    if system:
+        pieces += [data(system.get("content") or ""), markup("\n\n")]
+    pieces.append(markup(TOOLS_HEADER))
+    for tool in tools:
+        pieces += [markup("\n"), data(json.dumps(tool, ensure_ascii=False))]  # Jinja's tojson as transformers has it
+    return pieces + [markup(TOOLS_FOOTER)]
+
+
+def assistant_pieces(message: dict) -> list[tuple[str, int, bool]]:
+    """An assistant turn: everything it writes carries loss, from <think> to its <|im_end|>."""
+    reasoning, content = split_reasoning(message)
+    pieces = [markup("<|im_start|>assistant\n"), markup("<think>\n", 1), data(reasoning.strip("\n"), 1),
+              markup("\n</think>\n\n", 1), data(content.lstrip("\n"), 1)]
+    for j, call in enumerate(message.get("tool_calls") or []):
+        call, separator = call.get("function", call), [markup("\n", 1)] if j > 0 or content else []
+        args = call["arguments"]
+        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        pieces += separator + [markup('<tool_call>\n{"name": "', 1), data(call["name"], 1),
+                               markup('", "arguments": ', 1), data(args, 1), markup("}\n</tool_call>", 1)]
+    return pieces + [markup("<|im_end|>", 1), markup("\n")]
+
+
+def tool_pieces(message: dict) -> list[tuple[str, int, bool]]:
+    return [markup("\n<tool_response>\n"), data(message.get("content") or ""), markup("\n</tool_response>")]
 
 
 def encode_pieces(tokenizer, pieces) -> tuple[list[int], list[int]]:
     """Pieces -> (ids, loss_mask). Markup is cut at added tokens; the text between two added tokens is encoded as
     one string (as the tokenizers library does), unless its loss changes inside it."""
     added = re.compile("(" + "|".join(map(re.escape, sorted(tokenizer.added_tokens, key=len, reverse=True))) + ")")
-    ids, mask, text, text_loss = [], [], "", 0
-
-    def flush():
-        encoded = tokenizer.encode(text)
-        ids.extend(encoded)
-        mask.extend([text_loss] * len(encoded))
-
+    runs: list[tuple[str | int, int]] = []  # (text to encode, or an added token's id; its loss)
     for value, loss, is_markup in pieces:
         for k, part in enumerate(added.split(value) if is_markup else [value]):
             if k % 2:  # an added token
-                flush()
-                text = ""
-                ids.append(tokenizer.added_tokens[part])
-                mask.append(loss)
+                runs.append((tokenizer.added_tokens[part], loss))
+            elif part and runs and isinstance(runs[-1][0], str) and runs[-1][1] == loss:
+                runs[-1] = (runs[-1][0] + part, loss)
             elif part:
-                if text and loss != text_loss:
-                    flush()
-                    text = ""
-                text, text_loss = text + part, loss
-    flush()
+                runs.append((part, loss))
+    ids, mask = [], []
+    for item, loss in runs:
+        new = tokenizer.encode(item) if isinstance(item, str) else [item]
+        ids.extend(new)
+        mask.extend([loss] * len(new))
     return ids, mask
 
 
@@ -244,7 +234,7 @@ def encode_chatml(tokenizer, conversations, system, max_len) -> tuple[list[int],
     head = messages[:1] if messages[0]["role"] == "system" else []
     turns = [len(head)] + [i for i, m in enumerate(messages) if m["role"] == "user" and i > len(head)]
     for first in turns:  # too long: drop whole earliest turns (a turn starts at a user message)
-        ids, mask = encode_pieces(tokenizer, chatml_pieces(tokenizer, head + messages[first:], tools))
+        ids, mask = encode_pieces(tokenizer, chatml_pieces(head + messages[first:], tools))
         if max_len is None or len(ids) <= max_len:
             break
     return ids, mask

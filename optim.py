@@ -78,8 +78,9 @@ class NonFiniteGuard:
         elif bad.item():  # an optimizer that cannot skip on the device (one host sync): without gradients,
             optimizer.zero_grad(set_to_none=True)  # step() leaves every parameter alone
 
-    def report(self, step: int, loss: float, grad_norm: float):
-        """At a log step: print the steps skipped since the last report; stop after max_bad_steps in a row."""
+    def report(self, step: int, loss: float, grad_norm: float) -> int:
+        """At a log step: print the steps skipped since the last report; stop after max_bad_steps in a row. Returns
+        the steps skipped so far."""
         skipped, in_a_row, first = int(self.skipped), int(self.in_a_row), int(self.first_bad)
         if skipped > self.reported:
             names = [n for n, p in self.model.named_parameters() if p.requires_grad]
@@ -91,6 +92,7 @@ class NonFiniteGuard:
         if in_a_row >= self.max_bad_steps:
             raise NonFiniteError(f"{in_a_row} optimizer steps in a row had a non-finite loss or gradient: "
                                  f"lower lr, check the data, or use bfloat16 instead of float16")
+        return self.reported
 
     def state_dict(self) -> dict:
         return {"skipped": int(self.skipped)}

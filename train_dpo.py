@@ -189,10 +189,10 @@ def main(argv: list[str]):
 
         stopping = False
         if step % cfg.log_interval == 0 or step == max_steps:  # the loop's only host syncs (.item())
-            guard.report(step, loss.item(), grad_norm.item())
             means = dict(zip(METRICS, torch.stack(metrics).tolist()))
+            skipped = guard.report(step, loss.item(), grad_norm.item())  # names skipped steps; too many stop the run
             log.write({"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), **means,
-                       "skipped_steps": guard.reported, **timer.read(step)})
+                       "skipped_steps": skipped, **timer.read(step)})
             watch.update(loss.item(), means["chosen_logp"], step > warmup_steps)
             stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step % steps_per_epoch == 0 or step == max_steps:

@@ -70,9 +70,9 @@ def main(argv: list[str]):
 
         stopping = False
         if step % cfg.log_interval == 0 or step == max_steps:  # the loop's only host syncs (.item())
-            guard.report(step, loss.item(), grad_norm.item())
+            skipped = guard.report(step, loss.item(), grad_norm.item())  # names skipped steps; too many stop the run
             log.write({"step": step, "loss": loss.item(), "ppl": perplexity(loss.item()), "lr": lr,
-                       "grad_norm": grad_norm.item(), "skipped_steps": guard.reported, **timer.read(step)})
+                       "grad_norm": grad_norm.item(), "skipped_steps": skipped, **timer.read(step)})
             stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step == max_steps:
             with timer.paused():

@@ -5,7 +5,7 @@
     python train_tokenizer.py --input data/pretrain_hq.jsonl --max_chars 200_000_000 --out tok   # a large corpus
 
 tiktoken backend (default): byte-level BPE trained here in pure Python, written as
-OUT/tokenizer.tiktoken + OUT/tokenizer.json. sentencepiece backend: OUT/tokenizer.model.
+OUT/tokenizer.tiktoken + OUT/nanomind.json. sentencepiece backend: OUT/tokenizer.model.
 Either way vocab_size counts everything, special tokens included, and load_tokenizer(OUT) loads it.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from errors import DataError, cli
 from tokenizer import CHAT_TOKENS, PATTERN, SPECIAL_TOKENS, load_tokenizer
 
 
@@ -50,10 +51,10 @@ def line_texts(line: bytes, where: str) -> list[str]:
     try:
         record = json.loads(line)
     except ValueError as e:  # bad JSON or bad UTF-8
-        raise ValueError(f"{where}: malformed JSON line: {e}") from None
+        raise DataError(f"{where}: malformed JSON line: {e}") from None
     texts = record_texts(record)
     if not texts:
-        raise ValueError(f"{where}: no string 'text', 'conversations' or 'chosen'/'rejected' field")
+        raise DataError(f"{where}: no string 'text', 'conversations' or 'chosen'/'rejected' field")
     return texts
 
 
@@ -66,7 +67,7 @@ def iter_texts(path: str | Path) -> Iterator[str]:
                 try:
                     yield b"".join(lines).decode("utf-8")
                 except UnicodeDecodeError as e:
-                    raise ValueError(f"{path}: not UTF-8 text: {e}") from None
+                    raise DataError(f"{path}: not UTF-8 text: {e}") from None
             return
         for n, line in enumerate(f, 1):
             yield from line_texts(line, f"{path}:{n}")
@@ -107,7 +108,7 @@ def range_texts(f, start: int, end: int, share: float) -> Iterator[str]:
         try:
             yield b"".join(lines).decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{f.name} (bytes {start}-{end}): not UTF-8 text: {e}") from None
+            raise DataError(f"{f.name} (bytes {start}-{end}): not UTF-8 text: {e}") from None
 
 
 def count_chunks(texts: Iterable[str]) -> Counter[bytes]:
@@ -137,51 +138,17 @@ def train_bpe(chunk_counts: dict[bytes, int], n_merges: int, verbose: bool = Tru
     vocab = [bytes([i]) for i in range(256)]  # id -> token bytes
     chunks = [list(c) for c in chunk_counts]  # each unique chunk as a list of token ids
     freqs = list(chunk_counts.values())
-    counts: defaultdict[tuple[int, int], int] = defaultdict(int)  # pair -> occurrences in corpus
-    where: defaultdict[tuple[int, int], set[int]] = defaultdict(set)  # pair -> chunks that may hold it
-    for ci, (ids, f) in enumerate(zip(chunks, freqs)):
-        for pair in zip(ids, ids[1:]):
-            counts[pair] += f
-            where[pair].add(ci)
+    counts, where = pair_counts(chunks, freqs)
     # max-heap by (count, then smallest pair). Counts only fall, except for pairs with the new
     # token, which are pushed fresh; a popped entry with a stale count is re-pushed, not used.
     heap = [(-c, pair) for pair, c in counts.items()]
     heapq.heapify(heap)
     t0 = last_log = time.time()
     while len(vocab) < 256 + n_merges:
-        if not heap:
-            raise ValueError(f"corpus too small: no pairs left after {len(vocab) - 256} merges")
-        neg_count, pair = heapq.heappop(heap)
-        count = counts.get(pair, 0)
-        if count != -neg_count:
-            if count > 0:
-                heapq.heappush(heap, (-count, pair))
-            continue
-        a, b, new = *pair, len(vocab)
-        vocab.append(vocab[a] + vocab[b])
-        delta: defaultdict[tuple[int, int], int] = defaultdict(int)
-        for ci in where.pop(pair):
-            ids, f, i = chunks[ci], freqs[ci], 0
-            while True:
-                try:
-                    i = ids.index(a, i)
-                except ValueError:
-                    break
-                if i + 1 < len(ids) and ids[i + 1] == b:
-                    delta[pair] -= f
-                    if i > 0:  # left neighbour x: (x, a) -> (x, new)
-                        x = ids[i - 1]
-                        delta[x, a] -= f
-                        delta[x, new] += f
-                        where[x, new].add(ci)
-                    if i + 2 < len(ids):  # right neighbour y: (b, y) -> (new, y)
-                        y = ids[i + 2]
-                        delta[b, y] -= f
-                        delta[new, y] += f
-                        where[new, y].add(ci)
-                    ids[i:i + 2] = [new]
-                i += 1
-        for p, d in delta.items():
+        pair, count = most_frequent(heap, counts, merges_so_far=len(vocab) - 256)
+        new = len(vocab)
+        vocab.append(vocab[pair[0]] + vocab[pair[1]])
+        for p, d in merge(chunks, freqs, where, pair, new).items():
             counts[p] += d
             if d > 0:
                 heapq.heappush(heap, (-counts[p], p))
@@ -193,6 +160,58 @@ def train_bpe(chunk_counts: dict[bytes, int], n_merges: int, verbose: bool = Tru
                   f"merges/s | elapsed {elapsed:.0f}s | ETA {elapsed / done * (n_merges - done):.0f}s",
                   flush=True)
     return {t: i for i, t in enumerate(vocab)}
+
+
+def pair_counts(chunks: list[list[int]], freqs: list[int]):
+    """(pair -> occurrences in the corpus, pair -> the chunks that may hold it)."""
+    counts: defaultdict[tuple[int, int], int] = defaultdict(int)
+    where: defaultdict[tuple[int, int], set[int]] = defaultdict(set)
+    for ci, (ids, f) in enumerate(zip(chunks, freqs)):
+        for pair in zip(ids, ids[1:]):
+            counts[pair] += f
+            where[pair].add(ci)
+    return counts, where
+
+
+def most_frequent(heap: list, counts: dict, merges_so_far: int) -> tuple[tuple[int, int], int]:
+    """Pop the heap until its top holds a pair's current count: (that pair, its count)."""
+    while heap:
+        neg_count, pair = heapq.heappop(heap)
+        count = counts.get(pair, 0)
+        if count == -neg_count:
+            return pair, count
+        if count > 0:
+            heapq.heappush(heap, (-count, pair))
+    raise DataError(f"corpus too small: no pairs left after {merges_so_far} merges")
+
+
+def merge(chunks: list[list[int]], freqs: list[int], where, pair: tuple[int, int], new: int) -> dict:
+    """Rewrite every occurrence of pair as the token new in the chunks that hold it (in place, updating `where`);
+    return how the pair counts change."""
+    a, b = pair
+    delta: defaultdict[tuple[int, int], int] = defaultdict(int)
+    for ci in where.pop(pair):
+        ids, f, i = chunks[ci], freqs[ci], 0
+        while True:
+            try:
+                i = ids.index(a, i)
+            except ValueError:
+                break
+            if i + 1 < len(ids) and ids[i + 1] == b:
+                delta[pair] -= f
+                if i > 0:  # left neighbour x: (x, a) -> (x, new)
+                    x = ids[i - 1]
+                    delta[x, a] -= f
+                    delta[x, new] += f
+                    where[x, new].add(ci)
+                if i + 2 < len(ids):  # right neighbour y: (b, y) -> (new, y)
+                    y = ids[i + 2]
+                    delta[b, y] -= f
+                    delta[new, y] += f
+                    where[new, y].add(ci)
+                ids[i:i + 2] = [new]
+            i += 1
+    return delta
 
 
 def write_tiktoken(ranks: dict[bytes, int], out: Path) -> None:
@@ -268,4 +287,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)
