@@ -47,6 +47,8 @@ class PretrainData:
 
 
 class SFTData:
+    """Item i -> one row: conversation i's (ids, loss_mask)."""
+
     def __init__(self, records: Records):
         self.records = records
 
@@ -57,14 +59,8 @@ class SFTData:
         return (self.records[i],)
 
 
-class DPOData:
-    """Item i -> (prompt + chosen, prompt + rejected), loss_mask 1 on the answers only."""
-
-    def __init__(self, records: Records):
-        self.records = records
-
-    def __len__(self):
-        return len(self.records)
+class DPOData(SFTData):
+    """Item i -> two rows: (prompt + chosen, prompt + rejected), loss_mask 1 on the answers only."""
 
     def __getitem__(self, i):
         prompt, chosen, rejected = self.records[i]

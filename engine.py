@@ -153,6 +153,8 @@ class Engine:
     def __init__(self, model, max_batch: int, max_len: int | None = None, use_cache: bool = True):
         self.model, self.max_batch = model, max_batch
         self.max_len = max_len or model.config.max_seq_len
+        if self.max_len > model.config.max_seq_len:
+            raise ValueError(f"{self.max_len} positions (prompt + new tokens) exceed max_seq_len={model.config.max_seq_len}")
         self.device = next(model.parameters()).device
         self.caches = [KVCache(max_batch, self.max_len) for _ in model.layers] if use_cache else None
         self.rows: list[Row] = []  # row i of the caches holds rows[i]
