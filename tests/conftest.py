@@ -1,14 +1,28 @@
+"""What several test files share: the demo data and the tiny models trained on it, tiny training runs and their
+metrics, the shipped tokenizer and data files, strings for tokenizer tests, serve.py in a subprocess."""
+import dataclasses
 import json
 import os
+import random
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 import torch
 
 import prepare_demo
+import tokenizer as tk
+from model import ModelConfig, Transformer
+from tokenizer import load_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # every in-process training run in the tests: a tiny model, float32 on the CPU, a fixed MFU peak
 TINY_MODEL = ["--dim=32", "--n_layers=2", "--n_heads=4", "--n_kv_heads=2", "--max_seq_len=32"]
 TINY_RUN = ["--device=cpu", "--dtype=float32", "--peak_flops=1e12", "--log_interval=1", "--eval_steps=2"]
+LORA = ["--lora_rank=4", "--lora_alpha=8"]  # the LoRA runs' adapters
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +41,13 @@ def greedy_alone(model, prompt: list[int], max_new: int, eos_id: int | None = No
     for (row,) in generate(model, [prompt], max_new, eos_id=eos_id):
         pass
     return row.tokens
+
+
+def tiny(**overrides) -> Transformer:
+    """A small random model, the same for the same overrides (seeded)."""
+    torch.manual_seed(0)
+    cfg = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=64)
+    return Transformer(ModelConfig(**{**cfg, **overrides}))
 
 
 def read_metrics(out_dir) -> list[dict]:
@@ -64,3 +85,168 @@ def tiny_sft(demo_dir, tiny_pretrained, tmp_path_factory):
                     *TINY_RUN, "--batch_size=16", "--lr=5e-3", "--max_steps=60", "--eval_interval=60",
                     "--max_seq_len=64"])
     return out / "best.pt"
+
+
+# --- tiny runs of the scripts ---------------------------------------------------------------------
+
+def pretrain(demo_dir, out_dir, *flags):
+    """A tiny pretraining run on the demo text: batches of 8, lr 3e-3, 3 warmup steps."""
+    import train_pretrain
+
+    train_pretrain.main([f"--data_path={demo_dir}/pretrain.jsonl", f"--out_dir={out_dir}", *TINY_MODEL, *TINY_RUN,
+                         "--batch_size=8", "--lr=3e-3", "--warmup_steps=3", *flags])
+
+
+def pretrain_short(demo_dir, out_dir, *flags):
+    """A cheaper tiny pretraining run: windows of 16 tokens, batches of 4, 3 warmup steps, the default lr."""
+    import train_pretrain
+
+    train_pretrain.main([f"--data_path={demo_dir}/pretrain.jsonl", f"--out_dir={out_dir}", *TINY_MODEL, *TINY_RUN,
+                         "--max_seq_len=16", "--batch_size=4", "--warmup_steps=3", *flags])
+
+
+def sft(tiny_pretrained, demo_dir, out_dir, *flags):
+    """SFT of the tiny pretrained model on the demo conversations: batches of 8, lr 5e-3, 64 positions."""
+    import train_sft
+
+    train_sft.main([f"--init_from={tiny_pretrained}", f"--data_path={demo_dir}/sft.jsonl", f"--out_dir={out_dir}",
+                    *TINY_RUN, "--batch_size=8", "--lr=5e-3", "--max_seq_len=64", *flags])
+
+
+def lora_sft(base, demo_dir, out_dir, *flags):
+    """LoRA SFT (rank 4, alpha 8) of the checkpoint base on the demo conversations: batches of 8, lr 1e-2."""
+    import train_sft
+
+    train_sft.main([f"--init_from={base}", f"--data_path={demo_dir}/sft.jsonl", f"--out_dir={out_dir}", *TINY_RUN,
+                    "--batch_size=8", "--lr=1e-2", "--max_seq_len=64", *LORA, *flags])
+
+
+def run_script(*args, cwd=REPO):
+    """python *args in a process, as a user runs a script: its exit status, stdout and stderr."""
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+# --- the shipped tokenizer and data files ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tok():
+    """The shipped tokenizer (tokenizer/)."""
+    return load_tokenizer()
+
+
+def write_jsonl(path, rows):
+    """rows as a JSONL file, one per line (a string row is written as it is: a malformed line); its path."""
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n")
+    return str(path)
+
+
+# a system prompt and two turns, the second in Chinese
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is Paris."},
+    {"role": "user", "content": "法国在哪里？"},
+    {"role": "assistant", "content": "法国位于欧洲。"},
+]
+
+
+# --- strings for tokenizer tests ------------------------------------------------------------------
+
+EN = ("the model learns from data and we train it on text with numbers while people read books "
+      "about history science music water light small large quickly function return value").split()
+ZH = ("我们 你好 世界 中文 模型 训练 数据 学习 语言 计算 机器 时间 问题 今天 天气 朋友 北京 "
+      "上海 科学 历史 音乐 文字 数字 方法 结果 系统 网络 图书 老师 学生").split()
+CHECK = [  # strings every round-trip / agreement test sees
+    "",
+    "Hello, world! It's 2024; don't panic.",
+    "我们今天学习中文，明天学习英文。《三体》很好看！",
+    "用Python写代码 12+34=46 ２０２３年 二〇二三年",
+    "emoji 😀👍🏽 ❤️ 1️⃣ 👨‍👩‍👧 🏴‍☠️ 🇨🇳 family: 👩‍❤️‍💋‍👨",
+    "def f(x):\n\tif x > 0:\r\n        return x ** 2  # 平方\n\n\n",
+    "  \t \n \r\n\r\n\u3000\u00a0x \u2028y\x1c\x1fz \t\x1c",
+    "I'M HE'LL we'VE 'ſ 'K (long s, Kelvin) ",
+    "e\u0301 n\u0303 ½ ² ١٢٣ ๑๒ \u2581 \ufffd \U00031350\U000323af",
+    "<s>[INST] <<SYS>>\nsys\n<</SYS>>\n\nhi [/INST] ok </s><pad>",
+    "\x00\x01\x7f\x80\x9f é ß Ω Ж ا",
+]
+
+
+def random_strings(n: int, seed: int) -> list[str]:
+    """Seeded strings mixing ASCII, Chinese, emoji and any code point (astral too), plus every
+    boundary of the pattern's ranges, where an escaping or range slip would show."""
+    rng = random.Random(seed)
+    edges = sorted({c + d for table in (tk._SPACE, tk._DIGIT, tk._HAN, tk._SYMBOL)
+                    for a, b in table for c in (a, b) for d in (-1, 0, 1)})
+    edges = [chr(e) for e in edges if 0 <= e <= 0x10FFFF and not 0xD800 <= e <= 0xDFFF]
+    # where engines tend to disagree: \s, (?i) and \d differ around these
+    tricky = list("\t\n\r\x0b\x0c\x1c\x1d\x1e\x1f \x85\xa0\u2028\u3000'sSlLvVeErRmMtTdD"
+                  "\u017f\u212a_9٣９〇中\u0301\u200d")
+    pools = [(0x20, 0x7E), (0x4E00, 0x9FFF), (0x1F300, 0x1FAFF), (0, 0x10FFFF)]
+
+    def char() -> str:
+        if rng.random() < 0.4:
+            return rng.choice(edges if rng.random() < 0.5 else tricky)
+        lo, hi = rng.choice(pools)
+        c = rng.randint(lo, hi)
+        return chr(c) if not 0xD800 <= c <= 0xDFFF else "\ud7ff"  # lone surrogates are not text
+    return ["".join(char() for _ in range(rng.randint(1, 24))) for _ in range(n)]
+
+
+def corpus_lines(rng: random.Random, n: int) -> list[str]:
+    lines = []
+    for _ in range(n):
+        kind = rng.randrange(4)
+        if kind == 0:
+            lines.append(" ".join(rng.choices(EN, k=rng.randint(4, 12))).capitalize() + ".")
+        elif kind == 1:
+            lines.append("，".join("".join(rng.choices(ZH, k=3)) for _ in range(3)) + "。")
+        elif kind == 2:
+            a, b = rng.randint(0, 9999), rng.randint(0, 9999)
+            emoji = rng.choice(["😀", "👨‍👩‍👧", "❤️"])
+            lines.append(f"{a}+{b}={a + b}, 2024年{rng.randint(1, 12)}月 {emoji}")
+        else:
+            lines.append(f"def {rng.choice(EN)}(x):\n    return x * {rng.randint(2, 99)}\n")
+    return lines
+
+
+# --- serve.py in a subprocess ---------------------------------------------------------------------
+
+def start_server(ckpt, *flags):
+    """serve.py in a subprocess on a free port -> (process, base url, its stderr file)."""
+    err = open(f"{ckpt}.{os.getpid()}.{time.time_ns()}.stderr", "w+")
+    proc = subprocess.Popen([sys.executable, "serve.py", f"--ckpt={ckpt}", "--port=0", *flags], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=err, text=True)
+    line = proc.stdout.readline()
+    assert "http://" in line, (line, open(err.name).read())
+    return proc, "http://" + line.split("http://", 1)[1].split("/", 1)[0], err
+
+
+@pytest.fixture(scope="module")
+def long_server(tmp_path_factory):
+    """A random-init model with a 4096-token context: an answer long enough to walk away from."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=6400, max_seq_len=4096)
+    path = tmp_path_factory.mktemp("long") / "long.pt"
+    torch.save({"model": Transformer(cfg).state_dict(), "model_config": dataclasses.asdict(cfg),
+                "config": {"tokenizer_path": None}, "stage": "sft"}, path)
+    proc, url, _ = start_server(path)
+    yield url
+    proc.terminate()
+    proc.wait()
+
+
+def health(url) -> dict:
+    with urllib.request.urlopen(url + "/health") as r:
+        return json.loads(r.read())
+
+
+def wait_until(condition, seconds: float = 60) -> bool:
+    """Poll condition until it holds (True) or seconds have passed (False): a property, not a timing."""
+    deadline = time.time() + seconds
+    while not condition():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

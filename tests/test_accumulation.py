@@ -9,9 +9,8 @@ import torch
 
 import train_pretrain
 import train_sft
-from conftest import TINY_MODEL, TINY_RUN, final_weights, read_metrics
+from conftest import REPO, TINY_MODEL, TINY_RUN, final_weights, read_metrics
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
 
 
@@ -73,10 +72,10 @@ def test_sft_micro_batches_hold_different_numbers_of_answer_tokens(demo_dir, tin
 def test_logged_sft_loss_is_the_token_weighted_mean(tiny_pretrained, demo_dir, tmp_path):
     """With accumulation, the logged step loss is sum(cross-entropy over answer tokens) / their number, as
     computed here from the checkpoint the run started from and the batches its loader gives."""
+    from checkpoint import model_from_checkpoint
     from data import Loader, SFTData
     from token_cache import load_split
     from tokenizer import load_tokenizer
-    from checkpoint import model_from_checkpoint
 
     args = stage_args("sft", demo_dir, tiny_pretrained)
     run_split("sft", [a for a in args if not a.startswith("--max_steps")] + ["--max_steps=1"], tmp_path / "run",

@@ -1,21 +1,21 @@
+"""bench.py: each mode (training, generation, DPO, data, serving, LoRA) runs the real code and ends with a JSON row,
+MFU against the best peak sampled around each variant; --help, and a user's mistake as one error line."""
 import json
-import time
-import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 import bench
 import demo_data
-from conftest import TINY_MODEL
+from conftest import REPO, TINY_MODEL
 from errors import ConfigError
 from model import Transformer
 from token_cache import encode_dpo
 from tokenizer import load_tokenizer
 
 TINY = [*TINY_MODEL, "--device=cpu", "--peak_flops=1e12"]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def last_json(capsys) -> dict:

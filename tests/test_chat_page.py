@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 from playwright.sync_api import sync_playwright
 
-from test_serve import health, long_server, start_server, wait_until  # noqa: F401 (long_server is a fixture)
+from conftest import health, start_server, wait_until
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium installed (apt-get install chromium)")
@@ -83,7 +83,7 @@ def test_a_multi_turn_chat_streams_the_api_s_answers_in_chinese_and_emoji(browse
         page.screenshot(path=SCREENSHOT)
 
 
-def test_the_stop_button_ends_the_answer_and_its_generation(browser, long_server):  # noqa: F811
+def test_the_stop_button_ends_the_answer_and_its_generation(browser, long_server):
     page = browser.new_page()
     page.goto(long_server + "/")
     page.fill("#max-tokens", "4000")

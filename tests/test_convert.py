@@ -1,6 +1,5 @@
-"""convert.py import: MiniMind2-shaped (LLaMA) and minimind-3-shaped (Qwen3, qk_norm) models built with transformers'
-own classes, saved as MiniMind *.pth state dicts and as transformers folders, give nanomind the same logits and the
-same greedy continuation; the imported checkpoint samples and fine-tunes."""
+"""convert.py import: MiniMind2- (LLaMA) and minimind-3-shaped (Qwen3) transformers models, as *.pth state dicts and as
+folders, give nanomind the same logits and greedy continuation; the imported checkpoint samples and fine-tunes."""
 import json
 from pathlib import Path
 

@@ -1,3 +1,5 @@
+"""diagnose.py: overfit and lr_find, the data report, activation checks that name a bad layer, a memory estimate
+equal to what autograd saves, and its command line."""
 import json
 import math
 import os
@@ -10,13 +12,12 @@ import torch
 
 import diagnose
 import model as model_py
-from conftest import TINY_MODEL
+from conftest import REPO, TINY_MODEL
 from errors import ConfigError
 from model import ModelConfig, Transformer
 from tokenizer import load_tokenizer
 
 TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, max_seq_len=32)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)

@@ -4,19 +4,14 @@ import pytest
 import torch
 
 import model as model_py
+from conftest import tiny
 from engine import (Engine, KVCache, Row, Sampling, TextStream, borders, complete, generate, overlap, prompt_ids,
                     sample_next)
-from model import ModelConfig, Transformer
+from model import Transformer
 from tokenizer import load_tokenizer
 
 # the math path in one tile (T <= 64 here) and in tiles of 8 and 4 rows, the last one shorter
 TILES = [(True, 64), (False, 64), (False, 8), (False, 4)]
-
-
-def tiny(**overrides) -> Transformer:
-    torch.manual_seed(0)
-    cfg = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=64)
-    return Transformer(ModelConfig(**{**cfg, **overrides}))
 
 
 def sharpen(model: Transformer) -> Transformer:

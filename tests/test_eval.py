@@ -1,3 +1,5 @@
+"""eval.py and the validation loss: bits per byte by hand and in every stage, BLEU-4 and ROUGE-L equal to sacrebleu and
+rouge-score, the SFT evaluation, multiple-choice accuracy on C-Eval, CMMLU, MMLU and ARC files; its command line."""
 import dataclasses
 import json
 import math

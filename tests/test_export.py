@@ -12,12 +12,10 @@ import convert
 import sample
 from chat import encode_chat
 from checkpoint import atomic_save, load_checkpoint, model_from_checkpoint
-from config import PretrainConfig
-from config import load_config
-from conftest import greedy_alone
+from config import PretrainConfig, load_config
+from conftest import corpus_lines, greedy_alone, random_strings
 from errors import CheckpointError, ConfigError
 from model import ModelConfig, Transformer
-from test_tokenizer import corpus_lines, random_strings
 from tokenizer import DEFAULT_DIR, load_tokenizer
 from train_tokenizer import main as train_tokenizer
 

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 import tokenizer as tk
 from chat import encode_chat
-from test_tokenizer import CHECK, corpus_lines, random_strings
+from conftest import CHECK, corpus_lines, random_strings
 from token_cache import tokenize_file
 from tokenizer import TokenizerError, load_tokenizer
 from train_tokenizer import main as train_main

@@ -1,8 +1,5 @@
-"""
-LoRA: a fresh adapter is the base model exactly; training moves the adapters and nothing else; a LoRA checkpoint
-holds only adapters, loads merged onto its (digest-checked) base with the unmerged model's logits, resumes exactly;
-DPO's adapters-off reference is the base model.
-"""
+"""LoRA: a fresh adapter is the base model exactly, training moves only the adapters, a checkpoint holds only them and
+loads merged onto its (digest-checked) base with the same logits; the adapters-off DPO reference is the base model."""
 import copy
 import math
 import os
@@ -15,11 +12,9 @@ import torch
 
 import convert
 import train_dpo
-import train_sft
 from checkpoint import finetune_model, load_checkpoint, lora_model, model_from_checkpoint
-from config import SFTConfig
-from config import load_config
-from conftest import TINY_RUN, final_weights, read_metrics, train_losses
+from config import SFTConfig, load_config
+from conftest import LORA, REPO, TINY_RUN, lora_sft, read_metrics
 from data import DPOData, Loader
 from errors import CheckpointError, ConfigError
 from lora import adapter_state, adapters_off, add_lora, lora_layers
@@ -28,14 +23,6 @@ from optim import configure_optimizer
 from runtime import setup
 from token_cache import tokenize_file
 from tokenizer import load_tokenizer
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LORA = ["--lora_rank=4", "--lora_alpha=8"]
-
-
-def lora_sft(base, demo_dir, out_dir, *flags):
-    train_sft.main([f"--init_from={base}", f"--data_path={demo_dir}/sft.jsonl", f"--out_dir={out_dir}", *TINY_RUN,
-                    "--batch_size=8", "--lr=1e-2", "--max_seq_len=64", *LORA, *flags])
 
 
 @pytest.fixture(scope="module")
@@ -123,27 +110,6 @@ def test_a_changed_base_checkpoint_is_a_one_line_error(trained, tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")
     assert "digest" in done.stderr
-
-
-def test_lora_sft_resumes_exactly(tiny_pretrained, demo_dir, tmp_path):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    flags = ["--max_steps=8", "--save_interval=4", "--keep_checkpoints=10", "--eval_interval=4", "--lora_dropout=0.1"]
-    lora_sft(tiny_pretrained, demo_dir, full, *flags)
-    os.makedirs(resumed)
-    shutil.copy(full / "step_0000004.pt", resumed)
-    lora_sft(tiny_pretrained, demo_dir, resumed, *flags, "--resume=True")
-    a, b = train_losses(full), train_losses(resumed)
-    assert set(b) == set(range(5, 9)) and all(a[s] == b[s] for s in b)
-    wa, wb = final_weights(full, 8), final_weights(resumed, 8)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    with pytest.raises(CheckpointError, match="LoRA checkpoint but this run is full"):  # lora_rank dropped
-        train_sft.main([f"--init_from={tiny_pretrained}", f"--data_path={demo_dir}/sft.jsonl", f"--out_dir={resumed}",
-                        *TINY_RUN, "--batch_size=8", "--max_seq_len=64", *flags, "--resume=True"])
-
-
-def test_unknown_lora_targets_are_a_config_error():
-    with pytest.raises(ConfigError, match="lora_targets.*'wz'"):
-        load_config(["--lora_rank=4", "--lora_targets=wq,wz"], SFTConfig)
 
 
 def test_the_adapters_off_reference_is_the_base_model(tiny_sft, demo_dir):

@@ -1,3 +1,5 @@
+"""The network: exact parameter counts and FLOPs, both attention paths against a plain reference, causality, GQA,
+the masked loss, gradient checkpointing, and a small model that overfits one batch."""
 import copy
 import math
 
@@ -6,14 +8,9 @@ import torch
 
 import model as model_py
 from config import load_config
+from conftest import tiny
 from model import ModelConfig, Transformer, apply_rope, reference_attention
 from optim import configure_optimizer
-
-
-def tiny(**overrides) -> Transformer:
-    torch.manual_seed(0)
-    cfg = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=64)
-    return Transformer(ModelConfig(**{**cfg, **overrides}))
 
 
 def batch(model, B=3, T=17, seed=1):
@@ -194,18 +191,6 @@ def test_a_two_layer_model_overfits_one_batch():
         opt.step()
         first = first or loss.item()
     assert loss.item() < 0.1 * first
-
-
-def test_weight_decay_applies_to_matrices_only_and_covers_every_parameter_once():
-    model = tiny()
-    opt = configure_optimizer(model, weight_decay=0.1, lr=1e-3, betas=(0.9, 0.95), device_type="cpu")
-    decay, no_decay = opt.param_groups
-    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
-    ids = [id(p) for g in opt.param_groups for p in g["params"]]
-    assert sorted(ids) == sorted(id(p) for p in model.parameters())
-    # the tied LM head / embedding matrix appears once
-    assert model.output.weight is model.tok_embeddings.weight
 
 
 def test_flops_per_token_of_26m_by_hand():

@@ -1,3 +1,5 @@
+"""plot.py: each rule fires alone on a run made to trigger it and none fires on healthy runs; PNGs of the expected
+size, a run still being written, smoothing that ignores NaN and does not lag."""
 import json
 import math
 

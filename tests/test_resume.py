@@ -1,8 +1,5 @@
-"""
-Resume: a run stopped by SIGTERM, or lost after its last checkpoint, continues with --resume=True as if it had never
-stopped: every logged value bit-identical, the same final weights, each metrics.jsonl row once. The new tests train
-with dropout 0.1, so that the restored RNG states matter, on data sets of 6 batches, so that runs cross epoch ends.
-"""
+"""Resume: a run stopped by SIGTERM, or lost after its last checkpoint, goes on with --resume=True as if it had never
+stopped: each logged value bit-identical, the same weights, each metrics row once; every stage, LoRA, float16."""
 import os
 import shutil
 import signal
@@ -17,10 +14,11 @@ import train_dpo
 import train_pretrain
 import train_sft
 from checkpoint import load_checkpoint
-from conftest import TINY_MODEL, TINY_RUN, final_weights, read_metrics, train_losses
+from conftest import (REPO, TINY_MODEL, TINY_RUN, final_weights, lora_sft, pretrain, pretrain_short, read_metrics, sft,
+                      train_losses)
+from errors import CheckpointError
 from metrics import measure_peak_flops
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"pretrain": train_pretrain, "sft": train_sft, "dpo": train_dpo}
 DEFAULT_PEAK = [flag for flag in TINY_RUN if not flag.startswith("--peak_flops")]  # measured, as users run it
 WALL_CLOCK = ("tokens_per_s", "mfu", "mem_gb", "elapsed_s", "eta_s")  # with frac_*: differ between any two runs
@@ -36,15 +34,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def pretrain(demo_dir, out_dir, *flags):
-    train_pretrain.main([f"--data_path={demo_dir}/pretrain.jsonl", f"--out_dir={out_dir}", *TINY_MODEL, *TINY_RUN,
-                         "--batch_size=8", "--lr=3e-3", "--warmup_steps=3", *flags])
-
-
 def stage_flags(stage: str, request, tmp_path) -> list[str]:
-    """A tiny run of a stage with dropout 0.1, on the first records of the demo file, 20% held out: 6 batches per
-    epoch (pretraining: 40 documents = 100 windows of 33 tokens, in 16s; SFT, DPO: 48 conversations or pairs, in
-    8s). SFT and DPO start from the session's tiny models; early stopping is off, so every run has its full length."""
+    """A tiny run of a stage with dropout 0.1, so that the restored RNG states matter, on the first records of the demo
+    file, 20% held out: 6 batches per epoch, so that runs cross epoch ends (pretraining: 40 documents = 100 windows of
+    33 tokens, in 16s; SFT, DPO: 48 conversations or pairs, in 8s). SFT and DPO start from the session's tiny models;
+    early stopping is off, so every run has its full length."""
     lines = (request.getfixturevalue("demo_dir") / f"{stage}.jsonl").read_text(encoding="utf-8").splitlines(True)
     data = tmp_path / f"{stage}.jsonl"
     data.write_text("".join(lines[: 40 if stage == "pretrain" else 60]), encoding="utf-8")
@@ -122,7 +116,7 @@ def test_a_run_stopped_by_sigterm_resumes_in_its_out_dir_exactly(stage, flags, r
     assert_same_run(full, stopped, 20)
 
 
-# --- lost after its last checkpoint, just before and exactly at an epoch end --------------------
+# --- lost after its last checkpoint, just before and exactly at an epoch end ----------------------
 
 @pytest.mark.parametrize("stage", ["pretrain", "sft", "dpo"])  # DPO: the reference model on the fly
 def test_a_resume_before_and_at_an_epoch_end_replaces_the_later_rows_exactly(stage, request, tmp_path):
@@ -142,7 +136,7 @@ def test_a_resume_before_and_at_an_epoch_end_replaces_the_later_rows_exactly(sta
         assert_same_run(full, resumed, 14)
 
 
-# --- without dropout (moved from test_train.py) ---------------------------------------------------
+# --- lost after its last checkpoint: pretraining, SFT, LoRA SFT, float16 --------------------------
 
 def test_resume_continues_exactly_as_an_uninterrupted_run(demo_dir, tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
@@ -156,6 +150,71 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(demo_dir, tmp_path):
     wa, wb = final_weights(full, 12), final_weights(resumed, 12)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
+
+def test_sft_resume_continues_exactly(tiny_pretrained, demo_dir, tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    flags = ["--max_steps=10", "--save_interval=4", "--keep_checkpoints=10", "--eval_interval=5"]
+    sft(tiny_pretrained, demo_dir, full, *flags)
+    os.makedirs(resumed)
+    shutil.copy(full / "step_0000004.pt", resumed)
+    sft(tiny_pretrained, demo_dir, resumed, *flags, "--resume=True")
+    a, b = train_losses(full), train_losses(resumed)
+    assert set(b) == set(range(5, 11)) and all(a[s] == b[s] for s in b)
+    wa, wb = final_weights(full, 10), final_weights(resumed, 10)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_lora_sft_resumes_exactly(tiny_pretrained, demo_dir, tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    flags = ["--max_steps=8", "--save_interval=4", "--keep_checkpoints=10", "--eval_interval=4", "--lora_dropout=0.1"]
+    lora_sft(tiny_pretrained, demo_dir, full, *flags)
+    os.makedirs(resumed)
+    shutil.copy(full / "step_0000004.pt", resumed)
+    lora_sft(tiny_pretrained, demo_dir, resumed, *flags, "--resume=True")
+    a, b = train_losses(full), train_losses(resumed)
+    assert set(b) == set(range(5, 9)) and all(a[s] == b[s] for s in b)
+    wa, wb = final_weights(full, 8), final_weights(resumed, 8)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    with pytest.raises(CheckpointError, match="LoRA checkpoint but this run is full"):  # lora_rank dropped
+        train_sft.main([f"--init_from={tiny_pretrained}", f"--data_path={demo_dir}/sft.jsonl", f"--out_dir={resumed}",
+                        *TINY_RUN, "--batch_size=8", "--max_seq_len=64", *flags, "--resume=True"])
+
+
+def test_float16_grad_scaler_state_survives_a_resume(demo_dir, tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    flags = ["--dtype=float16", "--lr=3e-3", "--max_steps=12", "--save_interval=5", "--keep_checkpoints=10",
+             "--eval_interval=12"]
+    pretrain_short(demo_dir, full, *flags)
+    os.makedirs(resumed)
+    shutil.copy(full / "step_0000005.pt", resumed)  # as if the run had died right after step 5
+    pretrain_short(demo_dir, resumed, *flags, "--resume=True")
+    a, b = (torch.load(d / "step_0000012.pt", weights_only=False)["scaler"] for d in (full, resumed))
+    assert "scale" in a and a["scale"] > 0, a  # an enabled scaler: a disabled one saves {}
+    # the default scaler changes its scale only on an overflow or after 2000 clean steps, so the scale alone
+    # cannot tell a restored scaler from a fresh one; the growth tracker (clean steps since the last change) can,
+    # as long as the scale did not change after step 5
+    assert a["_growth_tracker"] > 12 - 5
+    assert a == b
+    la, lb = train_losses(full), train_losses(resumed)
+    assert set(lb) == set(range(6, 13)) and all(la[s] == lb[s] for s in lb)
+    wa, wb = final_weights(full, 12), final_weights(resumed, 12)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_metrics_row_cut_short_by_a_crash_does_not_stop_the_resume(demo_dir, tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    flags = ["--max_steps=6", "--save_interval=3", "--keep_checkpoints=10", "--eval_interval=100"]
+    pretrain(demo_dir, full, *flags)
+    os.makedirs(resumed)
+    shutil.copy(full / "step_0000003.pt", resumed)  # as if the run had died while writing step 5's row
+    lines = (full / "metrics.jsonl").read_text(encoding="utf-8").splitlines(True)
+    (resumed / "metrics.jsonl").write_text("".join(lines[:4]) + lines[4][: len(lines[4]) // 2], encoding="utf-8")
+    pretrain(demo_dir, resumed, *flags, "--resume=True")
+    assert train_losses(resumed) == train_losses(full)
+    assert [r["step"] for r in read_metrics(resumed) if "loss" in r] == list(range(1, 7))
+
+
+# --- SIGTERM and the signal handlers --------------------------------------------------------------
 
 def test_sigterm_saves_a_checkpoint_and_exits(demo_dir, tmp_path):
     cmd = [sys.executable, os.path.join(REPO, "train_pretrain.py"), f"--data_path={demo_dir}/pretrain.jsonl",
@@ -171,19 +230,6 @@ def test_sigterm_saves_a_checkpoint_and_exits(demo_dir, tmp_path):
     (stopped,) = [line for line in out.splitlines() if line.startswith("stopped at step")]
     step = int(stopped.split()[3].rstrip(";"))
     assert load_checkpoint(str(tmp_path / f"step_{step:07d}.pt"))["step"] == step
-
-
-def test_a_metrics_row_cut_short_by_a_crash_does_not_stop_the_resume(demo_dir, tmp_path):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    flags = ["--max_steps=6", "--save_interval=3", "--keep_checkpoints=10", "--eval_interval=100"]
-    pretrain(demo_dir, full, *flags)
-    os.makedirs(resumed)
-    shutil.copy(full / "step_0000003.pt", resumed)  # as if the run had died while writing step 5's row
-    lines = (full / "metrics.jsonl").read_text(encoding="utf-8").splitlines(True)
-    (resumed / "metrics.jsonl").write_text("".join(lines[:4]) + lines[4][: len(lines[4]) // 2], encoding="utf-8")
-    pretrain(demo_dir, resumed, *flags, "--resume=True")
-    assert train_losses(resumed) == train_losses(full)
-    assert [r["step"] for r in read_metrics(resumed) if "loss" in r] == list(range(1, 7))
 
 
 def test_training_gives_the_signal_handlers_back(demo_dir, tmp_path):

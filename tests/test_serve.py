@@ -1,9 +1,9 @@
+"""serve.py through the official openai client: answers equal sample.py's and greedy decoding alone, plain and
+streamed, stop strings, OpenAI errors for bad requests, concurrent streams, a client that goes away stops its answer."""
 import dataclasses
 import json
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -16,24 +16,13 @@ import torch
 import sample
 from chat import encode_chat
 from checkpoint import load_model
-from conftest import greedy_alone
+from conftest import REPO, greedy_alone, health, start_server, wait_until
 from model import ModelConfig, Transformer
 from tokenizer import load_tokenizer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "test-key"
 QUESTIONS = ["What is the capital of Kenya?", "Which continent is Peru in?", "What is 3 + 4?", "肯尼亚的首都是哪里？",
              "What is the capital of France? 😀", "秘鲁在哪个洲？", "What is 12 + 5?", "Which continent is Japan in?"]
-
-
-def start_server(ckpt, *flags):
-    """serve.py in a subprocess on a free port -> (process, base url, its stderr file)."""
-    err = open(f"{ckpt}.{os.getpid()}.{time.time_ns()}.stderr", "w+")
-    proc = subprocess.Popen([sys.executable, "serve.py", f"--ckpt={ckpt}", "--port=0", *flags], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=err, text=True)
-    line = proc.stdout.readline()
-    assert "http://" in line, (line, open(err.name).read())
-    return proc, "http://" + line.split("http://", 1)[1].split("/", 1)[0], err
 
 
 @pytest.fixture(scope="module")
@@ -245,35 +234,6 @@ def test_eight_concurrent_streams_each_get_their_own_answer(client, reference):
         text, chunks = results[q]
         assert text == reference[q]["content"], q
         assert chunks[-1].usage.completion_tokens == reference[q]["completion_tokens"]
-
-
-@pytest.fixture(scope="module")
-def long_server(tmp_path_factory):
-    """A random-init model with a 4096-token context: an answer long enough to walk away from."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=6400, max_seq_len=4096)
-    path = tmp_path_factory.mktemp("long") / "long.pt"
-    torch.save({"model": Transformer(cfg).state_dict(), "model_config": dataclasses.asdict(cfg),
-                "config": {"tokenizer_path": None}, "stage": "sft"}, path)
-    proc, url, _ = start_server(path)
-    yield url
-    proc.terminate()
-    proc.wait()
-
-
-def health(url) -> dict:
-    with urllib.request.urlopen(url + "/health") as r:
-        return json.loads(r.read())
-
-
-def wait_until(condition, seconds: float = 60) -> bool:
-    """Poll condition until it holds (True) or seconds have passed (False): a property, not a timing."""
-    deadline = time.time() + seconds
-    while not condition():
-        if time.time() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -13,10 +13,9 @@ import pytest
 import torch
 
 import serve
-from conftest import greedy_alone
+from conftest import greedy_alone, start_server
 from engine import Sampling, TextStream
 from model import ModelConfig, Transformer
-from test_serve import start_server
 from tokenizer import load_tokenizer
 
 CHAT = {"messages": [{"role": "user", "content": "What is the capital of Kenya?"}], "max_tokens": 8}

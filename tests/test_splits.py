@@ -1,4 +1,5 @@
-"""Validation records are never trained on: the split is disjoint by content, for every kind of data."""
+"""Validation records are never trained on: the split is the last records (across several files too) or a file of
+its own, disjoint by content from training, for every kind of data."""
 import json
 import re
 
@@ -6,14 +7,8 @@ import pytest
 
 from data import PretrainData
 from token_cache import load_split
-from tokenizer import load_tokenizer
 
 ID = re.compile(r"record-(\d{4})(?!\d)")  # digits are single tokens: a window that cuts an id in half shows no match
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer()
 
 
 def record(kind: str, i: int) -> dict:
@@ -61,6 +56,20 @@ def test_validation_is_the_last_records_and_disjoint_from_training(kind, n, val_
     train_ids, val_ids = ids_of(train, tok), ids_of(val, tok)
     assert not set(train_ids) & set(val_ids)
     assert train_ids == list(range(n - n_val)) and val_ids == list(range(n - n_val, n))  # in file order, all of them
+
+
+@pytest.mark.parametrize("kind", ["pretrain", "sft", "dpo"])
+def test_validation_is_the_last_records_across_files(kind, tok, tmp_path):
+    options = {"pretrain": {}, "sft": {"max_len": 65}, "dpo": {"max_prompt_length": 64, "max_completion_length": 64}}
+    for name, ids in (("a", range(0, 10)), ("b", range(10, 20)), ("c", range(20, 25))):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(record(kind, i)) + "\n" for i in ids))
+    # 25 records, 0.32 of them = 8: all 5 of c.jsonl and the last 3 of b.jsonl
+    train, val = load_split(str(tmp_path / "*.jsonl"), None, 0.32, tok, kind, verbose=False, **options[kind])
+    assert ids_of(train, tok) == list(range(17)) and ids_of(val, tok) == list(range(17, 25))
+    if kind == "pretrain":
+        seen = [{int(m) for w in range(len(d)) for m in ID.findall(tok.decode(d[w][0][0].tolist()))}
+                for d in (PretrainData(train, 32), PretrainData(val, 32))]
+        assert seen[0] <= set(range(17)) and seen[1] <= set(range(17, 25))
 
 
 def test_pretraining_windows_of_training_and_validation_share_no_record(tok, tmp_path):

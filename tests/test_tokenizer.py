@@ -1,4 +1,5 @@
-"""Tokenizer invariants on tiny tokenizers trained here, on a corpus generated here."""
+"""Tokenizer invariants on tiny tokenizers trained here, on a corpus generated here; the trainer's sample of a large
+corpus is spread over all of it."""
 from __future__ import annotations
 
 import json
@@ -9,73 +10,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import sentencepiece as spm
 import tiktoken
 
 import tokenizer as tk
+from conftest import CHECK, corpus_lines, random_strings
 from tokenizer import PATTERN, SPECIAL_TOKENS, load_tokenizer
 from train_tokenizer import iter_texts, main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
-
 BPE_VOCAB, SP_VOCAB = 700, 600
-
-EN = ("the model learns from data and we train it on text with numbers while people read books "
-      "about history science music water light small large quickly function return value").split()
-ZH = ("我们 你好 世界 中文 模型 训练 数据 学习 语言 计算 机器 时间 问题 今天 天气 朋友 北京 "
-      "上海 科学 历史 音乐 文字 数字 方法 结果 系统 网络 图书 老师 学生").split()
-CHECK = [  # strings every round-trip / agreement test sees
-    "",
-    "Hello, world! It's 2024; don't panic.",
-    "我们今天学习中文，明天学习英文。《三体》很好看！",
-    "用Python写代码 12+34=46 ２０２３年 二〇二三年",
-    "emoji 😀👍🏽 ❤️ 1️⃣ 👨‍👩‍👧 🏴‍☠️ 🇨🇳 family: 👩‍❤️‍💋‍👨",
-    "def f(x):\n\tif x > 0:\r\n        return x ** 2  # 平方\n\n\n",
-    "  \t \n \r\n\r\n\u3000\u00a0x \u2028y\x1c\x1fz \t\x1c",
-    "I'M HE'LL we'VE 'ſ 'K (long s, Kelvin) ",
-    "e\u0301 n\u0303 ½ ² ١٢٣ ๑๒ \u2581 \ufffd \U00031350\U000323af",
-    "<s>[INST] <<SYS>>\nsys\n<</SYS>>\n\nhi [/INST] ok </s><pad>",
-    "\x00\x01\x7f\x80\x9f é ß Ω Ж ا",
-]
-
-
-def random_strings(n: int, seed: int) -> list[str]:
-    """Seeded strings mixing ASCII, Chinese, emoji and any code point (astral too), plus every
-    boundary of the pattern's ranges, where an escaping or range slip would show."""
-    rng = random.Random(seed)
-    edges = sorted({c + d for table in (tk._SPACE, tk._DIGIT, tk._HAN, tk._SYMBOL)
-                    for a, b in table for c in (a, b) for d in (-1, 0, 1)})
-    edges = [chr(e) for e in edges if 0 <= e <= 0x10FFFF and not 0xD800 <= e <= 0xDFFF]
-    # where engines tend to disagree: \s, (?i) and \d differ around these
-    tricky = list("\t\n\r\x0b\x0c\x1c\x1d\x1e\x1f \x85\xa0\u2028\u3000'sSlLvVeErRmMtTdD"
-                  "\u017f\u212a_9٣９〇中\u0301\u200d")
-    pools = [(0x20, 0x7E), (0x4E00, 0x9FFF), (0x1F300, 0x1FAFF), (0, 0x10FFFF)]
-
-    def char() -> str:
-        if rng.random() < 0.4:
-            return rng.choice(edges if rng.random() < 0.5 else tricky)
-        lo, hi = rng.choice(pools)
-        c = rng.randint(lo, hi)
-        return chr(c) if not 0xD800 <= c <= 0xDFFF else "\ud7ff"  # lone surrogates are not text
-    return ["".join(char() for _ in range(rng.randint(1, 24))) for _ in range(n)]
-
-
-def corpus_lines(rng: random.Random, n: int) -> list[str]:
-    lines = []
-    for _ in range(n):
-        kind = rng.randrange(4)
-        if kind == 0:
-            lines.append(" ".join(rng.choices(EN, k=rng.randint(4, 12))).capitalize() + ".")
-        elif kind == 1:
-            lines.append("，".join("".join(rng.choices(ZH, k=3)) for _ in range(3)) + "。")
-        elif kind == 2:
-            a, b = rng.randint(0, 9999), rng.randint(0, 9999)
-            emoji = rng.choice(["😀", "👨‍👩‍👧", "❤️"])
-            lines.append(f"{a}+{b}={a + b}, 2024年{rng.randint(1, 12)}月 {emoji}")
-        else:
-            lines.append(f"def {rng.choice(EN)}(x):\n    return x * {rng.randint(2, 99)}\n")
-    return lines
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +195,26 @@ def test_foreign_sentencepiece_model_without_pad_or_chat_pieces(corpus, tmp_path
     assert tok.pad_id == tok.eos_id == 2 and tok.bos_id == 1
     assert tok.chat_tokens["[INST]"] == tok.encode("[INST]") and len(tok.chat_tokens["[INST]"]) > 1
     assert tok.decode([tok.bos_id, *tok.encode("hello"), tok.eos_id]).endswith("hello</s>")
+
+
+# --- a tokenizer from a sample of a large corpus --------------------------------------------------
+
+def test_tokenizer_sample_is_spread_over_the_whole_input_and_bounded(tmp_path):
+    import train_tokenizer
+
+    files = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for k, path in enumerate(files):  # 2 x 5000 records, record-NNNNN in order, b.jsonl's twice as long
+        path.write_text("".join(json.dumps({"text": f"record-{i:05d} " + "words " * 20 * (k + 1)}) + "\n"
+                                for i in range(5000 * k, 5000 * (k + 1))))
+    paths, sizes = [str(p) for p in files], [os.path.getsize(p) for p in files]
+    sample = list(train_tokenizer.sample_texts(paths, 90_000, n_ranges=30))  # ~10 ranges in a.jsonl, ~20 in b.jsonl
+    assert 90_000 <= sum(map(len, sample)) <= 100_000  # each range overshoots by less than a record
+    seen = [int(t[7:12]) for t in sample]
+    assert seen == sorted(set(seen))  # in file order, no record twice
+    for k in range(2):  # each file gives its share, and every tenth of it about a tenth of that
+        chars = sum(len(t) for t in sample if int(t[7:12]) // 5000 == k)
+        assert abs(chars - 90_000 * sizes[k] / sum(sizes)) < 0.1 * 90_000
+        tenths = np.bincount([(i - 5000 * k) // 500 for i in seen if i // 5000 == k], minlength=10)
+        assert tenths.min() >= 0.4 * tenths.mean(), tenths  # (ranges and tenths need not line up)
+    everything = [t for p in paths for t in train_tokenizer.iter_texts(p)]
+    assert list(train_tokenizer.sample_texts(paths, 10**9)) == everything  # a budget over the size: all of it

@@ -1,8 +1,6 @@
-"""MiniMind's ChatML template: data.encode_chat gives token for token what transformers' apply_chat_template gives
-with MiniMind's tokenizer_config.json (the Jinja template itself, run by the library), and its loss mask covers
-exactly what the assistant writes."""
-from __future__ import annotations
-
+"""Both chat templates and their loss masks: [INST] against a golden conversation, MiniMind's ChatML token for token
+against transformers' apply_chat_template; each mask covers exactly what the assistant writes."""
+import ast
 import json
 import re
 from pathlib import Path
@@ -11,10 +9,91 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from chat import encode_chat
+from chat import encode_chat, show_mask
+from conftest import CONVERSATION
 from errors import BadRecord
 from token_cache import encode_dpo, encode_sft, tokenize_file
 from tokenizer import load_tokenizer
+
+
+# --- [INST]: the shipped tokenizer ----------------------------------------------------------------
+
+def runs(ids, mask):
+    """Split a sequence into maximal runs of equal mask value: [(mask value, ids)]."""
+    out = []
+    for t, m in zip(ids, mask):
+        if out and out[-1][0] == m:
+            out[-1][1].append(t)
+        else:
+            out.append((m, [t]))
+    return out
+
+
+def test_golden_chat_template_and_mask(tok):
+    ids, mask = encode_chat(tok, CONVERSATION)
+    assert tok.decode(ids) == (
+        "<s>[INST] <<SYS>>\nYou are terse.\n<</SYS>>\n\nWhat is the capital of France? [/INST]"
+        " The capital of France is Paris. </s>"
+        "<s>[INST] 法国在哪里？ [/INST] 法国位于欧洲。 </s>")
+    # loss exactly on each assistant answer and its </s>; everything else (<s>, [INST], system, user, [/INST]) off
+    learned = [tok.decode(r) for m, r in runs(ids, mask) if m == 1]
+    assert learned == [" The capital of France is Paris. </s>", " 法国位于欧洲。 </s>"]
+    assert [m for t, m in zip(ids, mask) if t == tok.eos_id] == [1, 1]
+    specials = {tok.bos_id, *[t for name in ("[INST]", "[/INST]", "<<SYS>>", "<</SYS>>") for t in tok.chat_tokens[name]]}
+    assert all(m == 0 for t, m in zip(ids, mask) if t in specials)
+
+
+def test_chat_special_tokens_are_single_ids(tok):
+    ids, _ = encode_chat(tok, CONVERSATION)
+    for name in ("[INST]", "[/INST]", "<<SYS>>", "<</SYS>>"):
+        assert len(tok.chat_tokens[name]) == 1
+    assert ids.count(tok.bos_id) == 2 and ids.count(tok.chat_tokens["<<SYS>>"][0]) == 1
+
+
+def test_a_generation_prompt_ends_at_inst_close(tok):
+    ids, mask = encode_chat(tok, CONVERSATION[:4])
+    assert ids[-1] == tok.chat_tokens["[/INST]"][0]
+    full, _ = encode_chat(tok, CONVERSATION)
+    assert full[: len(ids)] == ids  # the prompt the chat CLI feeds is exactly what training saw
+
+
+def test_too_long_drops_earliest_turns_and_keeps_the_system_prompt(tok):
+    full, _ = encode_chat(tok, CONVERSATION)
+    last_turn, _ = encode_chat(tok, [CONVERSATION[0]] + CONVERSATION[3:])
+    ids, mask = encode_chat(tok, CONVERSATION, max_len=len(full) - 1)
+    assert ids == last_turn and tok.decode(ids).startswith("<s>[INST] <<SYS>>\nYou are terse.")
+    # a single turn that cannot fit is cut at the end; its answer loses the closing </s>
+    one_turn, one_mask = encode_chat(tok, CONVERSATION[:3])
+    ids, mask = encode_chat(tok, CONVERSATION[:3], max_len=len(one_turn) - 3)
+    assert (ids, mask) == (one_turn[:-3], one_mask[:-3]) and ids[-1] != tok.eos_id and mask[-1] == 1
+
+
+@pytest.mark.parametrize("messages, reason", [
+    ([{"role": "assistant", "content": "hi"}], "alternate"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "alternate"),
+    ([{"role": "user", "content": ""}, {"role": "assistant", "content": "b"}], "non-empty"),
+    ([{"role": "robot", "content": "a"}], "unknown role"),
+    ([], "non-empty list"),
+])
+def test_bad_conversations_are_rejected(tok, messages, reason):
+    with pytest.raises(BadRecord, match=reason):
+        encode_chat(tok, messages)
+
+
+def test_show_mask_marks_every_token(tok):
+    ids, mask = encode_chat(tok, CONVERSATION[1:3])
+    assert 0 < sum(mask) < len(mask)
+    lines = show_mask(tok, ids, mask).splitlines()
+    assert len(lines) == len(ids)
+    for i, line in enumerate(lines):  # "position id mark 'text'": the text is the repr of the token's decoding
+        position, token, mark, text = line.split(maxsplit=3)
+        assert (int(position), int(token), mark) == (i, ids[i], "✓" if mask[i] else "✗"), line
+        assert ast.literal_eval(text) == tok.decode([ids[i]]), line
+    assert lines[0].split() == ["0", str(tok.bos_id), "✗", "'<s>'"]
+    assert lines[-1].split() == [str(len(ids) - 1), str(tok.eos_id), "✓", "'</s>'"]
+
+
+# --- ChatML: MiniMind's tokenizer and tokenizer_config.json ---------------------------------------
 
 MINIMIND = Path(__file__).resolve().parent / "fixtures" / "minimind"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "查询城市天气",

@@ -1,6 +1,5 @@
-"""Data at real sizes: tokenising in memory that does not grow with the file, a cache that a killed build never
-leaves trusted, arrays identical to encoding each record directly, several files that read as one, and a tokenizer
-trained on a sample spread over its whole input."""
+"""token_cache.py, data files to token records: each format and its bad lines (file:line), a cache reused, rebuilt and
+never trusted half-written; at real sizes flat memory, a direct encoding's arrays, several files read as one."""
 import glob
 import json
 import os
@@ -11,25 +10,149 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 import demo_data
 import token_cache
 from chat import encode_chat
-from data import PretrainData, SFTData
-from errors import DataError
-from test_splits import ID, ids_of, record
-from token_cache import load_split, tokenize_file
+from conftest import CONVERSATION, REPO, write_jsonl
+from data import DPOData, PretrainData, SFTData
+from errors import BadRecord, DataError
+from token_cache import tokenize_file
 from tokenizer import load_tokenizer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# --- formats and bad lines ------------------------------------------------------------------------
+
+def test_txt_files_are_split_into_documents_at_blank_lines(tok, tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("first doc\nline two\n\n\nsecond doc\n", encoding="utf-8")
+    records = tokenize_file(str(path), tok, "pretrain", verbose=False)
+    assert [tok.decode(records[i][0]) for i in range(len(records))] == ["<s>first doc\nline two</s>", "<s>second doc</s>"]
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer()
+@pytest.mark.parametrize("line, reason", [
+    ('{"text": "ok"', "malformed JSON"),
+    ('{"txt": "ok"}', "missing field 'text'"),
+    ('{"text": 5}', "'text' must be a string"),
+    ('["text"]', "expected a JSON object"),
+])
+def test_bad_pretrain_lines_name_file_and_line(tok, tmp_path, line, reason):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"text": "fine"}, {"text": "also fine"}, line])
+    with pytest.raises(BadRecord, match=rf"bad\.jsonl:3: .*{reason}"):
+        tokenize_file(path, tok, "pretrain", verbose=False)
 
+
+def test_bad_sft_lines_fail_with_file_line_or_are_skipped_and_counted(tok, tmp_path, capsys):
+    good = {"conversations": CONVERSATION[1:3]}
+    rows = [good, {"conversations": CONVERSATION[1:2]}, good, {"conversations": [{"role": "user", "content": ""}]}]
+    path = write_jsonl(tmp_path / "sft.jsonl", rows)
+    with pytest.raises(BadRecord, match=r"sft\.jsonl:2: "):
+        tokenize_file(path, tok, "sft", max_len=64, verbose=False)
+    assert len(tokenize_file(path, tok, "sft", max_len=64, skip_bad=True)) == 2
+
+
+def test_skipped_lines_are_counted_by_reason(tok, tmp_path, capsys):
+    good = {"conversations": CONVERSATION[1:3]}
+    rows = [good, {"conversations": CONVERSATION[1:2]}, good, {"conversations": CONVERSATION[1:2]}]
+    path = write_jsonl(tmp_path / "sft.jsonl", rows)
+    records = tokenize_file(path, tok, "sft", max_len=64, skip_bad=True)
+    assert len(records) == 2
+    assert "2 x skipped: the last message must be the assistant's" in capsys.readouterr().err
+
+
+def test_sft_records_carry_the_chat_mask_fresh_and_from_the_cache(tok, tmp_path):
+    path = write_jsonl(tmp_path / "sft.jsonl", [{"conversations": CONVERSATION[1:3]},
+                                                {"conversations": CONVERSATION[1:], "system": "You are terse."}])
+    for _ in range(2):  # built, then read back from the cache
+        records = tokenize_file(path, tok, "sft", max_len=512, verbose=False)
+        assert [(ids.tolist(), mask.tolist()) for ids, mask in (records[0], records[1])] == [
+            encode_chat(tok, CONVERSATION[1:3]), encode_chat(tok, CONVERSATION)]
+
+
+def test_both_dpo_formats_load_and_mask_only_the_answers(tok, tmp_path):
+    user = {"role": "user", "content": "What is 2 + 3?"}
+    rows = [{"prompt": "What is 2 + 3?", "chosen": "2 + 3 = 5.", "rejected": "2 + 3 = 6."},
+            {"chosen": [user, {"role": "assistant", "content": "2 + 3 = 5."}],
+             "rejected": [user, {"role": "assistant", "content": "2 + 3 = 6."}]}]
+    data = DPOData(tokenize_file(write_jsonl(tmp_path / "d.jsonl", rows), tok, "dpo", verbose=False))
+    assert len(data) == 2
+    for i in range(2):
+        (chosen, cmask), (rejected, rmask) = data[i]
+        assert tok.decode(chosen) == "<s>[INST] What is 2 + 3? [/INST] 2 + 3 = 5. </s>"
+        assert tok.decode(chosen[cmask == 1]) == " 2 + 3 = 5. </s>"
+        assert tok.decode(rejected[rmask == 1]) == " 2 + 3 = 6. </s>"
+    assert [a.tolist() for a in data[0][0]] == [a.tolist() for a in data[1][0]]
+
+
+def test_both_formats_load_through_the_dpo_dataset(demo_dir):
+    tok = load_tokenizer()
+    data = DPOData(tokenize_file(f"{demo_dir}/dpo.jsonl", tok, "dpo", verbose=False))
+    lines = open(f"{demo_dir}/dpo.jsonl", encoding="utf-8").read().splitlines()
+    assert len(data) == len(lines) and '"prompt"' in lines[0] and '"prompt"' not in lines[1]
+    for i in range(2):
+        (chosen, cmask), (rejected, rmask) = data[i]
+        assert chosen[-1] == tok.eos_id and cmask[-1] == 1 and rmask[0] == 0
+
+
+@pytest.mark.parametrize("row", [
+    {"prompt": "q", "chosen": "", "rejected": "b"},
+    {"prompt": "q", "chosen": "a", "rejected": "  "},
+    {"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}],
+     "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]},
+])
+def test_an_empty_dpo_answer_is_rejected_with_file_line(tok, tmp_path, row):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"}, row])
+    with pytest.raises(BadRecord, match=r"d\.jsonl:2: .*(answer|content)"):
+        tokenize_file(path, tok, "dpo", verbose=False)
+
+
+def test_dpo_truncation_cuts_prompt_left_and_completion_right(tok, tmp_path):
+    row = {"prompt": "a long question " * 10, "chosen": "a long answer " * 10, "rejected": "no"}
+    records = tokenize_file(write_jsonl(tmp_path / "d.jsonl", [row]), tok, "dpo", max_prompt_length=8,
+                            max_completion_length=5, verbose=False)
+    prompt, chosen, rejected = records[0]
+    full_prompt, _ = encode_chat(tok, [{"role": "user", "content": row["prompt"]}])
+    assert prompt.tolist() == full_prompt[-8:]
+    assert len(chosen) == 5 and rejected[-1] == tok.eos_id
+
+
+# --- the cache ------------------------------------------------------------------------------------
+
+def test_the_cache_is_reused_and_rebuilt_when_source_or_tokenizer_change(tok, tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"text": "hello world"}])
+    first = tokenize_file(path, tok, "pretrain", verbose=False)
+    cache = path + ".pretrain.cache"
+    stamp = os.stat(cache).st_mtime_ns
+    again = tokenize_file(path, tok, "pretrain", verbose=False)
+    assert os.stat(cache).st_mtime_ns == stamp  # reused
+    assert len(again) == len(first) and again[0][0].tolist() == first[0][0].tolist()
+    write_jsonl(path, [{"text": "hello there world"}])
+    second = tokenize_file(path, tok, "pretrain", verbose=False)
+    assert second[0][0].tolist() != first[0][0].tolist()
+    assert tok.decode(second[0][0]) == "<s>hello there world</s>"
+
+    class OtherTokenizer:  # same ids, another fingerprint: the cache must not be trusted
+        def __getattr__(self, name):
+            return getattr(tok, name)
+        fingerprint = "another"
+    stamp = os.stat(cache).st_mtime_ns
+    tokenize_file(path, OtherTokenizer(), "pretrain", processes=1, verbose=False)
+    assert os.stat(cache).st_mtime_ns != stamp
+
+
+def test_a_half_written_cache_is_never_trusted(tok, tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"text": "hello world"}] * 50)
+    tokenize_file(path, tok, "pretrain", verbose=False)
+    cache = path + ".pretrain.cache"
+    data = open(cache, "rb").read()
+    with open(cache, "wb") as f:
+        f.write(data[: len(data) // 2])
+    records = tokenize_file(path, tok, "pretrain", verbose=False)
+    assert len(records) == 50 and os.path.getsize(cache) == len(data)
+
+
+# --- files of real size ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def pool():
@@ -58,7 +181,7 @@ def as_lists(records) -> list[list[int]]:
     return [records[i][0].tolist() for i in range(len(records))]
 
 
-# --- memory -------------------------------------------------------------------------------------------------
+# --- memory ---------------------------------------------------------------------------------------
 
 BUILD = """
 import json, resource, sys
@@ -102,7 +225,7 @@ def test_peak_memory_stays_flat_as_the_file_grows(tmp_path, pool):
     assert peaks["large"] <= 1.2 * peaks["small"] + (1 << 20), peaks  # + 1 MB: allocator noise
 
 
-# --- a killed build -----------------------------------------------------------------------------------------
+# --- a killed build -------------------------------------------------------------------------------
 
 KILLED = """
 import os, signal, sys
@@ -150,7 +273,7 @@ def test_a_killed_build_leaves_nothing_trusted_and_the_next_run_rebuilds(tok, tm
     assert sorted(os.listdir(tmp_path)) == ["p.jsonl", "p.jsonl.pretrain.cache"]  # the dead build's temp files are gone
 
 
-# --- identical arrays ---------------------------------------------------------------------------------------
+# --- identical arrays -----------------------------------------------------------------------------
 
 def test_streamed_arrays_equal_a_direct_encoding_for_any_chunk_size(tok, tmp_path, pool, capsys):
     path = write_corpus(tmp_path / "p.jsonl", 0.6, pool)
@@ -187,7 +310,7 @@ def test_txt_documents_and_sft_masks_equal_a_direct_encoding(tok, tmp_path, pool
         tuple(encode_chat(tok, c, max_len=256)) for c in conversations]
 
 
-# --- several files ------------------------------------------------------------------------------------------
+# --- several files --------------------------------------------------------------------------------
 
 def split_file(path, out_dir, sizes: list[int]) -> list[str]:
     """The lines of path in consecutive files out_dir/part_0.jsonl, part_1.jsonl, ... of `sizes` lines each."""
@@ -233,33 +356,6 @@ def test_several_files_and_a_glob_give_the_windows_of_one_concatenated_file(tok,
         encode_chat(tok, r["conversations"], max_len=128)[0] for r in sft]
 
 
-@pytest.mark.parametrize("kind", ["pretrain", "sft", "dpo"])
-def test_validation_is_the_last_records_across_files(kind, tok, tmp_path):
-    options = {"pretrain": {}, "sft": {"max_len": 65}, "dpo": {"max_prompt_length": 64, "max_completion_length": 64}}
-    for name, ids in (("a", range(0, 10)), ("b", range(10, 20)), ("c", range(20, 25))):
-        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(record(kind, i)) + "\n" for i in ids))
-    # 25 records, 0.32 of them = 8: all 5 of c.jsonl and the last 3 of b.jsonl
-    train, val = load_split(str(tmp_path / "*.jsonl"), None, 0.32, tok, kind, verbose=False, **options[kind])
-    assert ids_of(train, tok) == list(range(17)) and ids_of(val, tok) == list(range(17, 25))
-    if kind == "pretrain":
-        seen = [{int(m) for w in range(len(d)) for m in ID.findall(tok.decode(d[w][0][0].tolist()))}
-                for d in (PretrainData(train, 32), PretrainData(val, 32))]
-        assert seen[0] <= set(range(17)) and seen[1] <= set(range(17, 25))
-
-
-def test_a_read_only_data_directory_gets_its_cache_under_the_home_directory(tok, tmp_path, monkeypatch):
-    path = write_corpus(tmp_path / "p.jsonl", 0.01, ["a short document.", "一个短文档。"])
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(token_cache.os, "access", lambda p, mode: os.path.abspath(p) != str(tmp_path))  # (root writes anyway)
-    records = tokenize_file(path, tok, "pretrain", verbose=False)
-    assert as_lists(records) == direct_encoding(path, tok)
-    assert sorted(os.listdir(tmp_path)) == ["home", "p.jsonl"]  # nothing written beside the data
-    (cache,) = glob.glob(str(tmp_path / "home" / ".cache" / "nanomind" / "p.jsonl.*.pretrain.cache"))
-    stamp = os.stat(cache).st_mtime_ns
-    tokenize_file(path, tok, "pretrain", verbose=False)
-    assert os.stat(cache).st_mtime_ns == stamp  # found there again, not rebuilt
-
-
 def test_a_pattern_that_matches_nothing_is_a_data_error_naming_it(tok, tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n')
     pattern = str(tmp_path / "pretrain_*.jsonl")
@@ -272,24 +368,16 @@ def test_a_pattern_that_matches_nothing_is_a_data_error_naming_it(tok, tmp_path)
     assert token_cache.file_digest(str(tmp_path / "*.jsonl")) != token_cache.file_digest(str(tmp_path / "a.jsonl"))
 
 
-# --- a tokenizer from a sample of a large corpus ------------------------------------------------------------
+# --- a read-only data directory -------------------------------------------------------------------
 
-def test_tokenizer_sample_is_spread_over_the_whole_input_and_bounded(tmp_path):
-    import train_tokenizer
-
-    files = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
-    for k, path in enumerate(files):  # 2 x 5000 records, record-NNNNN in order, b.jsonl's twice as long
-        path.write_text("".join(json.dumps({"text": f"record-{i:05d} " + "words " * 20 * (k + 1)}) + "\n"
-                                for i in range(5000 * k, 5000 * (k + 1))))
-    paths, sizes = [str(p) for p in files], [os.path.getsize(p) for p in files]
-    sample = list(train_tokenizer.sample_texts(paths, 90_000, n_ranges=30))  # ~10 ranges in a.jsonl, ~20 in b.jsonl
-    assert 90_000 <= sum(map(len, sample)) <= 100_000  # each range overshoots by less than a record
-    seen = [int(t[7:12]) for t in sample]
-    assert seen == sorted(set(seen))  # in file order, no record twice
-    for k in range(2):  # each file gives its share, and every tenth of it about a tenth of that
-        chars = sum(len(t) for t in sample if int(t[7:12]) // 5000 == k)
-        assert abs(chars - 90_000 * sizes[k] / sum(sizes)) < 0.1 * 90_000
-        tenths = np.bincount([(i - 5000 * k) // 500 for i in seen if i // 5000 == k], minlength=10)
-        assert tenths.min() >= 0.4 * tenths.mean(), tenths  # (ranges and tenths need not line up)
-    everything = [t for p in paths for t in train_tokenizer.iter_texts(p)]
-    assert list(train_tokenizer.sample_texts(paths, 10**9)) == everything  # a budget over the size: all of it
+def test_a_read_only_data_directory_gets_its_cache_under_the_home_directory(tok, tmp_path, monkeypatch):
+    path = write_corpus(tmp_path / "p.jsonl", 0.01, ["a short document.", "一个短文档。"])
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(token_cache.os, "access", lambda p, mode: os.path.abspath(p) != str(tmp_path))  # (root writes anyway)
+    records = tokenize_file(path, tok, "pretrain", verbose=False)
+    assert as_lists(records) == direct_encoding(path, tok)
+    assert sorted(os.listdir(tmp_path)) == ["home", "p.jsonl"]  # nothing written beside the data
+    (cache,) = glob.glob(str(tmp_path / "home" / ".cache" / "nanomind" / "p.jsonl.*.pretrain.cache"))
+    stamp = os.stat(cache).st_mtime_ns
+    tokenize_file(path, tok, "pretrain", verbose=False)
+    assert os.stat(cache).st_mtime_ns == stamp  # found there again, not rebuilt
