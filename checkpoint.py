@@ -46,7 +46,8 @@ def checkpoint_to_resume(cfg) -> str | None:
 def prepare_training(cfg, model_cfg, stage: str, run: Run, model, loader, early):
     """(optimizer, scaler, guard, checkpoints) for a built model: AdamW (over the trainable parameters: a LoRA
     model's adapters), the GradScaler (enabled for float16 only: bfloat16 has float32's range), the non-finite
-    guard, and the checkpoints that save them all."""
+    guard, and the checkpoints that save them all. First each rank gets a random stream of its own (dropout): the
+    model was built alike on every rank."""
     seed_rank(cfg.seed, run)
     optimizer = configure_optimizer(model, cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type)
     scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")

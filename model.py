@@ -135,14 +135,17 @@ class Attention(nn.Module):
         # the H // K query heads that share a kv head become rows of one matmul against it: no repeated k, v
         q = (q / math.sqrt(D)).view(B, K, H // K, T, D)
         k, v = k.reshape(B * K, S, D), v.reshape(B * K, S, D)
-        visible = visible_keys(start_pos, T, S, q.device)  # (B or 1, T, S)
-        mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
         if not isinstance(start_pos, int):  # one query per row (T == 1) at its own position
+            visible = visible_keys(start_pos, T, S, q.device)  # (B, 1, S)
+            mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
             scores = torch.baddbmm(mask.repeat_interleave(K, dim=0), q.reshape(B * K, H // K, D),
                                    k.transpose(1, 2))  # (B * K, H // K, S)
             probs = F.dropout(scores.float().softmax(dim=-1), dropout, self.training)
             return (probs.to(v.dtype) @ v).view(B, H, T, D)
-        mask = mask[0]  # (T, S), added to the scores
+        # query t sits at position start_pos + t and may see keys 0 .. start_pos + t (visible_keys, in fewer ops:
+        # this runs in every layer of every decode step)
+        hidden = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(diagonal=start_pos + 1)
+        mask = torch.zeros(T, S, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))  # added to scores
         out = []
         for t0 in range(0, T, ATTENTION_TILE):
             t1 = min(t0 + ATTENTION_TILE, T)
