@@ -18,6 +18,7 @@ import typing
 
 from errors import ConfigError
 from lora import TARGETS
+from runtime import DTYPES
 
 
 # -----------------------------------------------------------------------------
@@ -61,7 +62,7 @@ class TrainConfig:
     # --- system
     device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
     dtype: str = "auto"  # auto (bfloat16 on GPUs that have it, else float16; float32 on a CPU) | float32 | bfloat16 | float16
-    compile: bool = False  # torch.compile the model
+    compile: bool | None = None  # torch.compile the model; None: on CUDA only (a CPU pays the compile back late)
     seed: int = 1337
     max_bad_steps: int = 10  # stop after this many non-finite (skipped) steps in a row
     peak_flops: float = 0.0  # per device, the MFU denominator; 0: measure a large matmul at startup
@@ -74,7 +75,7 @@ class TrainConfig:
                 raise ConfigError(f"config key {key!r} must be at least 1, got {getattr(self, key)}")
         if not 0 < self.val_fraction < 1:
             raise ConfigError(f"config key 'val_fraction' must be between 0 and 1, got {self.val_fraction}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ConfigError(f"config key 'dtype' must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ConfigError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
@@ -94,6 +95,7 @@ class FinetuneConfig(TrainConfig):
     grad_checkpoint: bool = False  # recompute each block in backward: less memory, more compute
     dropout: float = 0.0
     freeze_embeddings: bool = False  # keep the (tied) token embedding as it was: see configs/demo_sft.py
+    compile: bool | None = False  # off: batches pad to their longest conversation, and each new length recompiles
     # --- LoRA: train small low-rank adapters on the frozen init_from model instead of the model itself (lora.py)
     lora_rank: int = 0  # r of every adapter; 0: off, full fine-tuning
     lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank

@@ -9,6 +9,7 @@ rank 0 only, and Ctrl-C / SIGTERM.
 """
 import ctypes
 import dataclasses
+import datetime
 import os
 import random
 import signal
@@ -66,6 +67,9 @@ class Run:
             dist.barrier()
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: pick_dtype's choice for the device
+
+
 def pick_device(device: str) -> str:
     if device != "auto":
         return device
@@ -80,7 +84,8 @@ def pick_dtype(dtype: str, device_type: str) -> str:
     if dtype != "auto":
         return dtype
     if device_type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        # natively only: V100 and T4 emulate bfloat16, slower than float16 with its GradScaler
+        return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
     if device_type == "mps":
         return "bfloat16" if torch.backends.mps.is_macos_or_newer(14, 0) else "float16"
     return "float32"
@@ -99,21 +104,31 @@ def keep_freed_memory():
     libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # and what is freed stays there for reuse (unless 2 GiB are free)
 
 
+# how long a rank waits for the others in a collective: rank 0 tokenises a corpus alone (at a few MB/s per
+# process) while the others wait at a barrier, which NCCL's default of 10 minutes would abort
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(hours=4)
+
+
 def setup(device: str, dtype: str, seed: int) -> Run:
     """Pick device and precision, join torchrun's process group if launched by it, and seed every RNG.
     Every rank seeds alike (the model starts identical everywhere); call seed_rank() after building it."""
-    device = pick_device(device)
-    run = Run(torch.device(device), pick_dtype(dtype, torch.device(device).type))
-    if run.device.type == "cpu":
-        keep_freed_memory()
-    if "RANK" in os.environ:  # launched by torchrun: join the group or fail, never train unsynchronised
+    run = Run(torch.device(pick_device(device)), dtype)
+    if "RANK" in os.environ:  # launched by torchrun
         run.rank, run.local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
         run.world_size = int(os.environ["WORLD_SIZE"])
         if run.device.type == "cuda":
             run.device = torch.device("cuda", run.local_rank)
+    if run.device.type == "cuda":
+        if run.device.index is not None:  # before any other CUDA call: its context, events, the dtype query
             torch.cuda.set_device(run.device)
+        torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls: Ampere's tensor cores
+    run.dtype = pick_dtype(dtype, run.device.type)
+    if run.device.type == "cpu":
+        keep_freed_memory()
+    if run.ddp:  # join the group or fail, never train unsynchronised
         cuda = run.device.type == "cuda"
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=run.device if cuda else None)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=run.device if cuda else None,
+                                timeout=PROCESS_GROUP_TIMEOUT)
         if dist.get_world_size() != run.world_size:
             raise RuntimeError(f"process group has {dist.get_world_size()} ranks, WORLD_SIZE says {run.world_size}")
     random.seed(seed)
@@ -152,12 +167,14 @@ def print_run(cfg, model_cfg, run: Run):
 
 
 def wrap(model, cfg, run: Run):
-    """The model the loop trains: compiled if asked, DDP-wrapped under torchrun. Keep the unwrapped one too."""
-    if cfg.compile:
+    """The model the loop trains: compiled if asked (compile=None: on CUDA), DDP-wrapped under torchrun. Keep the
+    unwrapped one too."""
+    if cfg.compile or (cfg.compile is None and run.device.type == "cuda"):
         model = torch.compile(model)
     if run.ddp:
         device_ids = [run.device.index] if run.device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        # the only buffers are the RoPE tables, derived from the config alike on every rank: not re-sent each forward
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
     return model
 
 
