@@ -172,7 +172,7 @@ class Engine:
                 raise ValueError(f"prompts of one length whose max_new tokens fit in {self.max_len} positions: got "
                                  f"a prompt of {len(row.prompt)} tokens (first {T}) and max_new {row.max_new}")
         source = [prompts.index(tuple(row.prompt)) for row in rows]  # each row's prompt in the prefill batch
-        ids = torch.tensor(prompts, device=self.device)  # (p, T)
+        ids = to_device(prompts, self.device)  # (p, T)
         if self.caches is None:
             logits, _ = self.model(ids)
         else:
@@ -191,35 +191,39 @@ class Engine:
         if not self.rows:
             return
         positions = [row.cached for row in self.rows]
-        tokens = torch.tensor([[row.tokens[-1]] for row in self.rows], device=self.device)  # (n, 1)
+        tokens = to_device([[row.tokens[-1]] for row in self.rows], self.device)  # (n, 1)
         if self.caches is None:  # the whole sequence again
-            logits, _ = self.model(torch.tensor([row.prompt + row.tokens for row in self.rows], device=self.device))
+            logits, _ = self.model(to_device([row.prompt + row.tokens for row in self.rows], self.device))
         elif len(set(positions)) == 1:  # in lockstep: one position, every cached key visible
             logits, _ = self.model(tokens, caches=self.caches, start_pos=positions[0])
         else:  # each row at its own position, against the keys up to the longest row's
             caches = [cache.prefix(max(positions) + 1) for cache in self.caches]
-            logits, _ = self.model(tokens, caches=caches, start_pos=torch.tensor(positions, device=self.device))
+            logits, _ = self.model(tokens, caches=caches, start_pos=to_device(positions, self.device))
         self.sample(self.rows, logits[:, -1])
         self.drop_done()
 
     def sample(self, rows: list[Row], logits):
-        """Each row's next token from its logits (n, V): the rows that share a Sampling in one call (one host
-        sync), so a sampling that fails fails its own rows alone."""
+        """Each row's next token from its logits (n, V): the rows that share a Sampling in one call, so a sampling
+        that fails fails its own rows alone; then one host sync for all the tokens."""
         groups: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             groups.setdefault(id(row.sampling), []).append(i)
+        picked = []  # (row indices, their tokens (k,) on the device)
         for indices in groups.values():
             s = rows[indices[0]].sampling
             try:
                 history = ids_so_far([rows[i] for i in indices], self.device) if s.repetition_penalty != 1.0 else None
-                chosen = sample_next(logits[indices], history, s.temperature, s.top_k, s.top_p, s.repetition_penalty,
-                                     s.generator)[:, 0].tolist()
+                picked.append((indices, sample_next(logits[indices], history, s.temperature, s.top_k, s.top_p,
+                                                    s.repetition_penalty, s.generator)[:, 0]))
             except Exception as e:  # a server's client may send what fails here: only its rows end
                 for i in indices:
                     rows[i].fail(e)
-                continue
-            for i, token in zip(indices, chosen):
-                rows[i].append(token)
+        if not picked:
+            return
+        tokens = iter(torch.cat([t for _, t in picked]).tolist())  # the step's one host sync
+        for indices, _ in picked:
+            for i in indices:
+                rows[i].append(next(tokens))
 
     def drop_done(self):
         for i in reversed(range(len(self.rows))):  # rows after i are live by now: the last may move into i
@@ -232,12 +236,19 @@ class Engine:
                     self.rows[i] = last
 
 
+def to_device(ids: list, device) -> torch.Tensor:
+    """A (nested) list of ints as an int64 tensor on device; to a GPU from pinned memory, so that the copy does
+    not make the host wait."""
+    t = torch.tensor(ids, pin_memory=device.type == "cuda")
+    return t.to(device, non_blocking=True)
+
+
 def ids_so_far(rows: list[Row], device) -> torch.Tensor:
     """(n, T) prompt and generated ids of each row, shorter ones padded with their own first id (the repetition
     penalty counts an id once however often it appears)."""
     seqs = [row.prompt + row.tokens for row in rows]
     longest = max(map(len, seqs))
-    return torch.tensor([[s[0]] * (longest - len(s)) + s for s in seqs], device=device)
+    return to_device([[s[0]] * (longest - len(s)) + s for s in seqs], device)
 
 
 def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = GREEDY,

@@ -200,6 +200,22 @@ def test_a_prompt_prefilled_once_for_a_group_of_rows():
     assert sampled[0] == sampled[1] and len({tuple(t) for t in sampled[0]}) > 1
 
 
+def test_a_decode_step_waits_for_the_device_once(monkeypatch):
+    """Rows that each sample their own way (a server's requests) still make one host sync per step: every row's
+    token is read back at once."""
+    model = tiny().eval()
+    engine = Engine(model, max_batch=3)
+    for n, s in zip((3, 5, 4), (Sampling(0.0), Sampling(0.9, generator=torch.Generator().manual_seed(1)),
+                                Sampling(1.2, top_k=5, generator=torch.Generator().manual_seed(2)))):
+        engine.add([Row(list(range(1, n + 1)), 8, s)])
+    reads = []
+    for name in ("tolist", "item"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, original=original, name=name: reads.append(name) or original(t))
+    engine.step()
+    assert reads == ["tolist"] and all(len(row.tokens) == 2 for row in engine.rows)
+
+
 def test_a_row_whose_sampling_fails_fails_alone():
     model = tiny(dim=32).eval()
     engine = Engine(model, max_batch=3)

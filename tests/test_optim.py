@@ -28,3 +28,8 @@ def test_weight_decay_applies_to_matrices_only_and_covers_every_parameter_once()
     assert sorted(ids) == sorted(id(p) for p in model.parameters())
     # the tied LM head / embedding matrix appears once
     assert model.output.weight is model.tok_embeddings.weight
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda", "mps"])
+def test_adamw_is_fused_wherever_torch_has_the_kernel_so_a_skipped_step_needs_no_host_sync(device_type):
+    assert configure_optimizer(tiny(), 0.1, 1e-3, (0.9, 0.95), device_type).defaults["fused"]
