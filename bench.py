@@ -46,7 +46,7 @@ from errors import ConfigError, cli
 from lora import add_lora, trainable_params
 from metrics import measure_peak_flops
 from model import ModelConfig, Transformer
-from runtime import setup
+from runtime import setup, synchronize
 from token_cache import tokenize_file
 from tokenizer import load_tokenizer
 
@@ -258,13 +258,14 @@ def timed_generation(model, prompt, new_tokens: int, use_cache: bool, run) -> tu
     """(prefill seconds: the prompt's forward and the first token, decode seconds: the other new_tokens - 1)."""
     stream = generate(model, prompt.tolist(), new_tokens, use_cache=use_cache)  # greedy
     with run.autocast():
+        synchronize(run.device)  # clocks read after the device has finished, not when its work was queued
         t0 = time.perf_counter()
         next(stream)
+        synchronize(run.device)
         t1 = time.perf_counter()
         for _ in stream:
             pass
-        if run.device.type == "cuda":
-            torch.cuda.synchronize(run.device)
+        synchronize(run.device)
     return t1 - t0, time.perf_counter() - t1
 
 

@@ -37,7 +37,7 @@ from engine import Sampling, complete
 from errors import BadRecord, ConfigError, DataError, cli
 from losses import count_token_bytes, lm_totals, sequence_logprobs
 from metrics import parse_row
-from runtime import setup
+from runtime import DTYPES, setup
 from token_cache import parse_line, tokenize_file
 
 
@@ -51,12 +51,12 @@ class EvalConfig:
     # --- system
     batch_size: int = 16  # sequences per forward pass
     device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
-    dtype: str = "float32"  # float32 | bfloat16 | float16 (autocast)
+    dtype: str = "auto"  # auto (what the device runs well: float32 on a CPU) | float32 | bfloat16 | float16
     seed: int = 1337  # sampling with temperature > 0
 
     def __post_init__(self):
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"config key 'dtype' must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"config key 'dtype' must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ConfigError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         if self.batch_size < 1:
@@ -225,7 +225,8 @@ def eval_sft(cfg: SFTConfig) -> tuple[dict, dict]:
     loader = Loader([(row,) for row in encoded], cfg.batch_size, tokenizer.pad_id, run.device)
     totals = lm_totals(model, loader.batches(len(encoded)), count_token_bytes(tokenizer), run)
     sampling = Sampling(cfg.temperature, generator=torch.Generator(run.device).manual_seed(cfg.seed))
-    answers = complete(model, tokenizer, prompts, cfg.max_new_tokens, sampling, cfg.batch_size)
+    with run.autocast():
+        answers = complete(model, tokenizer, prompts, cfg.max_new_tokens, sampling, cfg.batch_size)
 
     result = {"data_path": cfg.data_path, "records": len(records), "answer_tokens": totals["tokens"],
               "ppl": totals["ppl"], "loss": totals["loss"], "bpb": totals["bpb"],

@@ -16,6 +16,7 @@ import torch
 from checkpoint import load_model
 from engine import Sampling, TextStream, generate, prompt_ids
 from errors import ConfigError, cli
+from runtime import DTYPES, Run, pick_device, pick_dtype
 
 
 def prompt_budget(max_seq_len: int, max_new_tokens: int | None) -> int:
@@ -86,23 +87,29 @@ def parse_args(argv):
     p.add_argument("--max_new_tokens", type=int, default=None,
                    help="default: up to the end of the model's context (the prompt keeps at most half of it)")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="autocast: auto is what the device runs well (float32 on a CPU); float32 forces it")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    model, tokenizer, state = load_model(args.ckpt, args.device, args.tokenizer_path)
-    generator = torch.Generator(args.device).manual_seed(args.seed)
+    device = torch.device(pick_device(args.device))
+    run = Run(device, pick_dtype(args.dtype, device.type))
+    model, tokenizer, state = load_model(args.ckpt, device, args.tokenizer_path)
+    generator = torch.Generator(device).manual_seed(args.seed)  # on the device it samples on
     chat = state["stage"] != "pretrain"
     budget = prompt_budget(model.config.max_seq_len, args.max_new_tokens)
     if args.prompt is not None:
         message = [{"role": "user", "content": args.prompt}] if chat else args.prompt
-        respond(model, tokenizer, prompt_ids(tokenizer, message, args.system, budget), args, sys.stdout, generator)
+        with run.autocast():
+            respond(model, tokenizer, prompt_ids(tokenizer, message, args.system, budget), args, sys.stdout, generator)
         return
     mode = f"chat in the {tokenizer.chat_template} template" if chat else "plain continuation"
     print(f"{state['stage']} checkpoint {args.ckpt}: {mode}; Ctrl-C stops an answer, Ctrl-D or Ctrl-C at the prompt quits")
-    chat_loop(model, tokenizer, args, chat, generator=generator)
+    with run.autocast():
+        chat_loop(model, tokenizer, args, chat, generator=generator)
 
 
 if __name__ == "__main__":

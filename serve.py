@@ -27,6 +27,7 @@ import threading
 import time
 import traceback
 import uuid
+from contextlib import nullcontext
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -34,6 +35,7 @@ import torch
 from checkpoint import load_model
 from engine import Engine, Row, Sampling, TextStream, prompt_ids
 from errors import ConfigError, DataError, cli
+from runtime import DTYPES, Run, pick_device, pick_dtype
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -98,7 +100,7 @@ def get(body: dict, name: str, kind, default=None):
     return value
 
 
-def sampling_options(body: dict, endpoint: str, model_id: str) -> dict:
+def sampling_options(body: dict, endpoint: str, model_id: str, device: torch.device) -> dict:
     unknown = sorted(set(body) - ENDPOINT_FIELDS[endpoint])
     if unknown:
         raise APIError(400, f"unsupported parameter '{unknown[0]}' (this server takes: "
@@ -124,7 +126,7 @@ def sampling_options(body: dict, endpoint: str, model_id: str) -> dict:
                             "of them", "stop")
     seed = get(body, "seed", int, secrets.randbits(63))
     stream_options = get(body, "stream_options", dict, {})
-    sampling = Sampling(temperature, top_p=top_p, generator=torch.Generator().manual_seed(seed))
+    sampling = Sampling(temperature, top_p=top_p, generator=torch.Generator(device).manual_seed(seed))  # where it samples
     return {"max_tokens": max_tokens, "sampling": sampling, "stop": stop, "stream": get(body, "stream", bool, False),
             "include_usage": get(stream_options, "include_usage", bool, False)}
 
@@ -189,8 +191,8 @@ class Scheduler:
     prompt length), decodes one token for every row of the batch, and lets the rows that are done, or whose
     client left, go."""
 
-    def __init__(self, model, max_batch: int):
-        self.engine = Engine(model, max_batch)
+    def __init__(self, model, max_batch: int, autocast=nullcontext):
+        self.engine, self.autocast = Engine(model, max_batch), autocast
         self.waiting: queue.Queue = queue.Queue()
         self.generated = 0  # tokens generated since the start, for /health
 
@@ -206,7 +208,8 @@ class Scheduler:
     def loop(self):
         while True:
             try:
-                self.step()
+                with self.autocast():
+                    self.step()
             except Exception as e:  # a bug: fail the jobs in flight, keep serving the next ones
                 traceback.print_exc()
                 for job in self.engine.rows:
@@ -234,7 +237,10 @@ class App:
     """What every request handler shares: the tokenizer, the engine, the key, the limits, the page."""
 
     def __init__(self, args):
-        model, self.tokenizer, state = load_model(args.ckpt, args.device, args.tokenizer_path)  # and its template
+        device = torch.device(pick_device(args.device))
+        run = Run(device, pick_dtype(args.dtype, device.type))
+        model, self.tokenizer, state = load_model(args.ckpt, device, args.tokenizer_path)  # and its template
+        self.device = device
         self.stage = state["stage"]
         self.max_seq_len = model.config.max_seq_len
         # a name, not the checkpoint's path: /health answers anyone
@@ -244,7 +250,7 @@ class App:
         # on a loopback address only loopback names: a web page whose name rebinds to 127.0.0.1 sends its own name
         checked = args.host in LOOPBACK or args.allowed_hosts
         self.hosts = {h.lower() for h in (*LOOPBACK, *args.allowed_hosts)} if checked else None
-        self.scheduler = Scheduler(model, args.max_batch)
+        self.scheduler = Scheduler(model, args.max_batch, run.autocast)
         self.scheduler.start()
         with open(PAGE, "rb") as f:
             self.page = f.read()
@@ -252,7 +258,7 @@ class App:
     def submit(self, endpoint: str, body: dict) -> tuple[Job, dict]:
         """Check a request, build its prompt (chat: the chat template, the format training used; completion: <s>
         and the text, as sample.py continues it) and queue its job."""
-        options = sampling_options(body, endpoint, self.model_id)
+        options = sampling_options(body, endpoint, self.model_id, self.device)
         if endpoint == "chat":
             param = "messages"
             try:
@@ -558,7 +564,9 @@ def parse_args(argv):
     p.add_argument("--max_connections", type=int, default=128, help="connections open at once; more get 503")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="seconds a client has to send its request, and the longest a send or receive may stall")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="autocast: auto is what the device runs well (float32 on a CPU); float32 forces it")
     args = p.parse_args(argv)
     if min(args.max_batch, args.max_body_kb, args.max_connections) < 1 or not args.timeout > 0:
         raise ConfigError("--max_batch, --max_body_kb and --max_connections must be at least 1, --timeout positive")
