@@ -16,7 +16,7 @@ holding a tokenizer.json records itself); weights alone carry none, and import n
 
 export writes a folder that transformers' AutoModelForCausalLM and AutoTokenizer load without remote code:
 config.json (LlamaForCausalLM, or Qwen3ForCausalLM with qk_norm), model.safetensors, generation_config.json,
-tokenizer.json and tokenizer_config.json (with a chat template rendering what data.encode_chat does).
+tokenizer.json and tokenizer_config.json (with a chat template rendering what chat.encode_chat does).
 
 merge: a LoRA checkpoint holds only its adapters and the path and digest of the checkpoint they were trained on;
 the merged one is a full checkpoint (weights, configs, tokenizer, stage, step; no optimizer) that loads without
@@ -302,7 +302,7 @@ def hf_model_config(cfg: ModelConfig, tokenizer, dtype: str) -> dict:
     return config
 
 
-# LLaMA-2's [INST] template exactly as data.encode_chat builds it; the markers are special tokens, so the
+# LLaMA-2's [INST] template exactly as chat.encode_chat builds it; the markers are special tokens, so the
 # tokenizers library cuts the rendered text at them as encode_chat does
 LLAMA2_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' -%}"

@@ -150,7 +150,7 @@ class MetricsLog:
                                     config=dataclasses.asdict(cfg))
 
     def grad_flow(self, step: int, model, interval: int):
-        """Every `interval` steps (0: never) a row of per-layer gradient norms. Call after clip_gradients."""
+        """Every `interval` steps (0: never) a row of per-layer gradient norms. Call after clipping."""
         if interval and step % interval == 0:
             self.write({"step": step, "layer_grad_norms": group_grad_norms(model)}, echo=False)
 

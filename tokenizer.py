@@ -320,7 +320,7 @@ def _hf_bos_eos_pad(config: dict, added: dict[str, int]) -> tuple[int, int, int]
 
 def _hf_chat_template(config: dict, added: dict[str, int]) -> str | None:
     """"chatml" when tokenizer_config.json's chat_template is ChatML (<|im_start|>role ... <|im_end|>,
-    both added tokens): data.encode_chat then renders MiniMind's rules, think blocks and tools
+    both added tokens): chat.encode_chat then renders MiniMind's rules, think blocks and tools
     included. Without a chat_template, "llama2" with [INST] spelled as text. None for any other
     template: pretraining works, and encode_chat refuses rather than render it wrongly."""
     template = config.get("chat_template")
