@@ -109,20 +109,29 @@ def keep_freed_memory():
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(hours=4)
 
 
-def setup(device: str, dtype: str, seed: int) -> Run:
-    """Pick device and precision, join torchrun's process group if launched by it, and seed every RNG.
-    Every rank seeds alike (the model starts identical everywhere); call seed_rank() after building it."""
+def open_device(device: str, dtype: str) -> Run:
+    """The device (auto: pick_device) made current and the dtype it runs well (auto: pick_dtype), for one
+    process: what sampling, serving and evaluation need (setup() adds torchrun's ranks and the seeds)."""
     run = Run(torch.device(pick_device(device)), dtype)
-    if "RANK" in os.environ:  # launched by torchrun
-        run.rank, run.local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-        run.world_size = int(os.environ["WORLD_SIZE"])
-        if run.device.type == "cuda":
-            run.device = torch.device("cuda", run.local_rank)
     if run.device.type == "cuda":
         if run.device.index is not None:  # before any other CUDA call: its context, events, the dtype query
             torch.cuda.set_device(run.device)
         torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls: Ampere's tensor cores
     run.dtype = pick_dtype(dtype, run.device.type)
+    return run
+
+
+def setup(device: str, dtype: str, seed: int) -> Run:
+    """Pick device and precision, join torchrun's process group if launched by it, and seed every RNG.
+    Every rank seeds alike (the model starts identical everywhere); call seed_rank() after building it."""
+    device = pick_device(device)
+    torchrun = "RANK" in os.environ
+    if torchrun and torch.device(device).type == "cuda":
+        device = f"cuda:{os.environ['LOCAL_RANK']}"  # each rank its own GPU
+    run = open_device(device, dtype)
+    if torchrun:
+        run.rank, run.local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        run.world_size = int(os.environ["WORLD_SIZE"])
     if run.device.type == "cpu":
         keep_freed_memory()
     if run.ddp:  # join the group or fail, never train unsynchronised

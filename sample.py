@@ -16,7 +16,7 @@ import torch
 from checkpoint import load_model
 from engine import Sampling, TextStream, generate, prompt_ids
 from errors import ConfigError, cli
-from runtime import DTYPES, Run, pick_device, pick_dtype
+from runtime import DTYPES, open_device
 
 
 def prompt_budget(max_seq_len: int, max_new_tokens: int | None) -> int:
@@ -95,10 +95,9 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
-    device = torch.device(pick_device(args.device))
-    run = Run(device, pick_dtype(args.dtype, device.type))
-    model, tokenizer, state = load_model(args.ckpt, device, args.tokenizer_path)
-    generator = torch.Generator(device).manual_seed(args.seed)  # on the device it samples on
+    run = open_device(args.device, args.dtype)
+    model, tokenizer, state = load_model(args.ckpt, run.device, args.tokenizer_path)
+    generator = torch.Generator(run.device).manual_seed(args.seed)  # on the device it samples on
     chat = state["stage"] != "pretrain"
     budget = prompt_budget(model.config.max_seq_len, args.max_new_tokens)
     if args.prompt is not None:

@@ -35,7 +35,7 @@ import torch
 from checkpoint import load_model
 from engine import Engine, Row, Sampling, TextStream, prompt_ids
 from errors import ConfigError, DataError, cli
-from runtime import DTYPES, Run, pick_device, pick_dtype
+from runtime import DTYPES, open_device
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -237,10 +237,9 @@ class App:
     """What every request handler shares: the tokenizer, the engine, the key, the limits, the page."""
 
     def __init__(self, args):
-        device = torch.device(pick_device(args.device))
-        run = Run(device, pick_dtype(args.dtype, device.type))
-        model, self.tokenizer, state = load_model(args.ckpt, device, args.tokenizer_path)  # and its template
-        self.device = device
+        run = open_device(args.device, args.dtype)
+        model, self.tokenizer, state = load_model(args.ckpt, run.device, args.tokenizer_path)  # and its template
+        self.device = run.device
         self.stage = state["stage"]
         self.max_seq_len = model.config.max_seq_len
         # a name, not the checkpoint's path: /health answers anyone
