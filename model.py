@@ -122,8 +122,11 @@ class Attention(nn.Module):
             mask, causal = None, start_pos == 0
         else:  # queries continuing a cache, or rows at their own positions: spelled out
             mask, causal = visible_keys(start_pos, T, k.size(2), q.device)[:, None], False
+        grouped = kernel_takes_groups(q, mask)
+        if not grouped:  # each query head gets its own copy of its kv head, as enable_gqa pairs them
+            k, v = (x.repeat_interleave(q.size(1) // x.size(1), dim=1) for x in (k, v))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                                              enable_gqa=True)
+                                              enable_gqa=grouped)
 
     def math_attention(self, q, k, v, start_pos: int | torch.Tensor, dropout: float):
         """softmax(q k^T / sqrt(D) + causal mask) v in plain matmuls: fast on a CPU (no fused kernel there beats it
@@ -156,6 +159,14 @@ class Attention(nn.Module):
             probs = F.dropout(scores.float().softmax(dim=-1), dropout, self.training)  # fp32: bf16 loses the tail
             out.append((probs.to(v.dtype) @ v[:, :seen]).view(B, K, H // K, t1 - t0, D))
         return torch.cat(out, dim=3).view(B, H, T, D)
+
+
+def kernel_takes_groups(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether SDPA's fused kernel can read grouped kv heads itself (enable_gqa). On CUDA (PyTorch 2.13) only the
+    flash kernel can, and it takes neither a mask nor float32; the memory-efficient kernel takes both but not
+    groups, so for those the kv heads are repeated: otherwise SDPA falls to its math kernel and its full
+    (B, H, T, S) scores. A CPU's flash kernel takes groups with masks and float32."""
+    return q.device.type != "cuda" or (mask is None and q.dtype in (torch.float16, torch.bfloat16))
 
 
 def visible_keys(start_pos: int | torch.Tensor, T: int, S: int, device) -> torch.Tensor:

@@ -49,6 +49,16 @@ def test_bad_head_configs_are_rejected(bad, message):
         ModelConfig(**{**dict(dim=64, n_heads=4, n_kv_heads=2), **bad})
 
 
+def attention_inputs(start_pos):
+    """q (3, 4, T, 16), k and v (3, 2, 20, 16), and where the queries start: 0 or 7 (the last T keys' positions),
+    or one query per row at positions 4, 19 and 11."""
+    g = torch.Generator().manual_seed(0)
+    B, H, K, D, S = 3, 4, 2, 16, 20
+    T, start = (1, torch.tensor([4, 19, 11])) if start_pos == "per row" else (S - start_pos, start_pos)
+    q, k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, K, S, D, generator=g), torch.randn(B, K, S, D, generator=g)
+    return q, k, v, start
+
+
 # the math path in one tile (T <= 64 here) and in tiles of 8 and 4 rows, the last one shorter (T = 17, 12, 9)
 TILES = [(True, 64), (False, 64), (False, 8), (False, 4)]
 
@@ -60,12 +70,18 @@ def test_both_attention_paths_equal_the_plain_reference(flash, tile, start_pos, 
     its own position (the keys after it hold values it must not see)."""
     monkeypatch.setattr(model_py, "ATTENTION_TILE", tile)
     attention = tiny(flash=flash).layers[0].attention
-    g = torch.Generator().manual_seed(0)
-    B, H, K, D, S = 3, 4, 2, 16, 20
-    T, start = (1, torch.tensor([4, 19, 11])) if start_pos == "per row" else (S - start_pos, start_pos)
-    q, k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, K, S, D, generator=g), torch.randn(B, K, S, D, generator=g)
+    q, k, v, start = attention_inputs(start_pos)
     attend = attention.sdpa_attention if flash else attention.math_attention
     assert (attend(q, k, v, start, 0.0) - reference_attention(q, k, v, start)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("start_pos", [0, 7, "per row"])
+def test_sdpa_with_each_kv_head_repeated_equals_the_plain_reference(start_pos, monkeypatch):
+    """The route CUDA takes for a mask or float32, where its fused kernels cannot read grouped kv heads."""
+    monkeypatch.setattr(model_py, "kernel_takes_groups", lambda q, mask: False)
+    attention = tiny(flash=True).layers[0].attention
+    q, k, v, start = attention_inputs(start_pos)
+    assert (attention.sdpa_attention(q, k, v, start, 0.0) - reference_attention(q, k, v, start)).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("tile", [64, 8])
