@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 import bench
 import demo_data
@@ -78,6 +79,20 @@ def test_generate_mode_cached_and_recomputed(capsys):
     result = bench.main(["--mode=generate", *TINY, "--prompt_tokens=4", "--new_tokens=8"])
     assert [row["batch_size"] for row in last_json(capsys)["rows"]] == list(bench.GENERATE_BATCH_SIZES)
     assert all(row["decode_tokens_per_s_cache"] > 0 and row["cache_speedup"] > 0 for row in result["rows"])
+
+
+def test_generation_reads_each_clock_after_the_device_has_finished(monkeypatch):
+    """On a GPU the host queues kernels and runs ahead: a clock read without synchronising times the queueing."""
+    from conftest import tiny
+    from runtime import Run
+
+    events = []
+    monkeypatch.setattr(bench, "synchronize", lambda device: events.append("sync"))
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: events.append("clock") or float(len(events)))
+    run = Run(torch.device("cpu"), "float32")
+    prefill, decode = bench.timed_generation(tiny().eval(), torch.tensor([[1, 2, 3]]), 4, True, run)
+    assert events.count("clock") == 3 and all(events[i - 1] == "sync" for i, e in enumerate(events) if e == "clock")
+    assert prefill > 0 and decode > 0
 
 
 def test_dpo_mode_measures_both_reference_paths(capsys):

@@ -38,6 +38,18 @@ def test_auto_dtype_on_cuda_asks_torch_for_native_bfloat16(monkeypatch, major, e
     assert pick_dtype("auto", "cuda") == expected
 
 
+def test_a_named_gpu_is_made_current_before_any_other_cuda_call(monkeypatch):
+    """Without torchrun too: else CUDA events, the dtype query and every kernel use cuda:0. Float32 matmuls may
+    use TF32 there."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda p: calls.append(("precision", p)))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **kw: calls.append(("bf16?",)) or True)
+    run = runtime.open_device("cuda:1", "auto")
+    assert calls == [("set_device", torch.device("cuda", 1)), ("precision", "high"), ("bf16?",)]
+    assert (run.device, run.dtype) == (torch.device("cuda", 1), "bfloat16")
+
+
 def test_the_process_group_waits_for_rank_0_to_tokenise(monkeypatch):
     """Under torchrun, rank 0 tokenises the corpus alone (minutes to hours) while the others wait at a barrier:
     the group must not give up after NCCL's default 10 minutes."""

@@ -82,3 +82,16 @@ def test_sample_defaults_fit_a_short_context_model_and_a_bad_max_new_tokens_is_a
     result = run_script("sample.py", "--ckpt", str(tiny_sft), "--prompt", "hi", "--max_new_tokens", "64")
     assert result.returncode == 2 and result.stderr.startswith("error: --max_new_tokens")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_model_runs_in_the_dtype_asked_for(tiny_sft, monkeypatch, capsys):
+    """--dtype autocasts the forward (auto picks bfloat16 or float16 on a GPU; a CPU's auto is float32)."""
+    from model import Transformer
+
+    seen = []
+    forward = Transformer.forward
+    monkeypatch.setattr(Transformer, "forward", lambda self, *a, **kw: seen.append(
+        torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32) or forward(self, *a, **kw))
+    for dtype in ("bfloat16", "auto"):
+        sample.main([f"--ckpt={tiny_sft}", "--prompt=hi", "--max_new_tokens=2", "--device=cpu", f"--dtype={dtype}"])
+    assert seen[0] == torch.bfloat16 and seen[-1] == torch.float32 and len(set(seen)) == 2

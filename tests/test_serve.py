@@ -257,6 +257,17 @@ def test_a_client_that_goes_away_stops_its_generation(long_server, stream):
     assert raw(long_server, "/v1/completions", body)[1]["usage"]["completion_tokens"] == 3  # served normally
 
 
+def test_a_request_samples_with_a_generator_on_the_model_s_device(monkeypatch):
+    """torch.multinomial on a GPU takes only a generator of that GPU: a CPU one failed every sampled request there."""
+    import serve
+
+    asked = []
+    real = torch.Generator
+    monkeypatch.setattr(torch, "Generator", lambda *args, **kw: asked.append((args, kw)) or real())
+    serve.sampling_options({**CHAT, "temperature": 0.7}, "chat", "tiny", torch.device("cuda", 1))
+    assert asked == [((torch.device("cuda", 1),), {})]
+
+
 def test_a_chatml_checkpoint_is_served_in_its_own_template(tmp_path):
     """A checkpoint trained with MiniMind's tokenizer records it; the server prompts in its ChatML template
     (prompt tokens = apply_chat_template's) and answers what greedy decoding alone gives."""
