@@ -5,6 +5,7 @@ Move weights between nanomind and the Hugging Face world.
     python convert.py import full_sft_512.pth out/minimind2.pt --tokenizer=minimind/model --n_heads=8   # MiniMind2's
     python convert.py import MiniMind2-Small/ out/minimind2.pt                              # a transformers folder
     python convert.py export out/sft/best.pt hf/ [--dtype=bfloat16] [--force]
+    python convert.py export out/sft/best.pt model.gguf [--dtype=float16]                  # llama.cpp, Ollama
     python convert.py merge out/sft_lora/best.pt out/sft_merged.pt                        # LoRA folded into its base
 
 import reads a MiniMind *.pth state dict (MiniMind2; minimind-3 adds q_norm / k_norm) or a transformers folder
@@ -16,7 +17,9 @@ holding a tokenizer.json records itself); weights alone carry none, and import n
 
 export writes a folder that transformers' AutoModelForCausalLM and AutoTokenizer load without remote code:
 config.json (LlamaForCausalLM, or Qwen3ForCausalLM with qk_norm), model.safetensors, generation_config.json,
-tokenizer.json and tokenizer_config.json (with a chat template rendering what chat.encode_chat does).
+tokenizer.json and tokenizer_config.json (with a chat template rendering what chat.encode_chat does). Plain text
+gets the bos nanomind's pretraining puts before every document. An OUT ending in .gguf is one GGUF file for
+llama.cpp instead (gguf_export.py).
 
 merge: a LoRA checkpoint holds only its adapters and the path and digest of the checkpoint they were trained on;
 the merged one is a full checkpoint (weights, configs, tokenizer, stage, step; no optimizer) that loads without
@@ -39,6 +42,7 @@ import torch
 from checkpoint import atomic_save, checkpoint_tokenizer, load_checkpoint, load_model_state, model_from_checkpoint
 from config import check_type, parse_flag_value
 from errors import CheckpointError, ConfigError, cli
+from gguf_export import architecture, export_gguf
 from model import ModelConfig, Transformer
 from tokenizer import DEFAULT_DIR, HFTokenizer, TiktokenTokenizer, _byte_level_alphabet, load_tokenizer
 
@@ -346,6 +350,17 @@ def hf_regex(pattern: str) -> str:
                   lambda m: f"\\x{{{m[1] or m[2] or m[3]}}}", pattern)
 
 
+def bos_first(bos: str, bos_id: int) -> dict:
+    """A tokenizer.json post-processor putting bos before a text, as nanomind's pretraining does before every
+    document: tokenizer(text) (transformers, lm-eval) then scores text as training saw it. Chat templates are
+    rendered without it (apply_chat_template adds no special tokens)."""
+    return {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+
+
 def tiktoken_to_hf(tokenizer: TiktokenTokenizer) -> dict:
     """nanomind's tiktoken tokenizer as a tokenizer.json: a byte-level BPE, its regex as a Split, specials as added
     tokens at their ids, <s> put before a text as nanomind's pretraining does."""
@@ -361,12 +376,7 @@ def tiktoken_to_hf(tokenizer: TiktokenTokenizer) -> dict:
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": hf_regex(tokenizer.pattern)}, "behavior": "Isolated", "invert": False},
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
-        "post_processor": {
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                     {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {bos: {"id": bos, "ids": [tokenizer.bos_id], "tokens": [bos]}}},
+        "post_processor": bos_first(bos, tokenizer.bos_id),
         "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
@@ -384,7 +394,10 @@ def tokenizer_files(tokenizer, directory: Path, max_seq_len: int) -> dict[str, d
             raise ConfigError(f"{directory}: a Hugging Face tokenizer without a chat_template in tokenizer_config.json "
                               "is not exported: its [INST] markers are not single tokens there")
         config["tokenizer_class"] = "PreTrainedTokenizerFast"  # what transformers 5 needs to read it without code
-        return {"tokenizer.json": json.loads((directory / "tokenizer.json").read_text(encoding="utf-8")),
+        config["add_bos_token"] = True  # MiniMind's file says false; nanomind's pretraining starts documents with it
+        data = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+        bos = next(t["content"] for t in data["added_tokens"] if t["id"] == tokenizer.bos_id)
+        return {"tokenizer.json": data | {"post_processor": bos_first(bos, tokenizer.bos_id)},
                 "tokenizer_config.json": config}
     if not isinstance(tokenizer, TiktokenTokenizer):
         raise ConfigError(f"{directory}: a SentencePiece tokenizer is not exported (only byte-level BPE tokenizers "
@@ -401,12 +414,18 @@ def export(ckpt: str, out_dir: Path, dtype: str, force: bool):
     if not isinstance(state, dict) or not {"model", "model_config", "config"} <= set(state):
         raise CheckpointError(f"{ckpt} is not a nanomind checkpoint (no model, model_config and config)")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
-        raise ConfigError(f"{out_dir} exists and is not empty: pass --force to replace it")
+        raise ConfigError(f"{out_dir} exists{'' if out_dir.suffix == '.gguf' else ' and is not empty'}: "
+                          "pass --force to replace it")
     cfg = ModelConfig(**state["model_config"])
     tokenizer = checkpoint_tokenizer(state)  # the one it trained with, checked against its fingerprint
     tokenizer_dir = Path(state["config"].get("tokenizer_path") or DEFAULT_DIR)
     files = tokenizer_files(tokenizer, tokenizer_dir, cfg.max_seq_len)
     model, _ = model_from_checkpoint(ckpt)  # a LoRA checkpoint comes merged onto its base
+    if out_dir.suffix == ".gguf":
+        export_gguf(model.state_dict(), cfg, tokenizer, files, dtype, out_dir, f"nanomind-{state.get('stage')}",
+                    f"tokenizer {tokenizer_dir}")
+        print(f"{ckpt} -> {out_dir}: GGUF, {architecture(cfg)}, {dtype}, tokenizer from {tokenizer_dir}")
+        return
     weights = {}
     for name, t in model.state_dict().items():
         if name == "output.weight" and cfg.tie_embeddings:
@@ -455,9 +474,9 @@ def main(argv: list[str]):
     imp.add_argument("--stage", default="sft", choices=["pretrain", "sft", "dpo"],
                      help="sft (default) chats in sample.py; pretrain continues text")
     imp.add_argument("--force", action="store_true", help="overwrite OUT")
-    exp = sub.add_parser("export", help="a nanomind checkpoint -> a Hugging Face folder")
+    exp = sub.add_parser("export", help="a nanomind checkpoint -> a Hugging Face folder, or a GGUF file")
     exp.add_argument("ckpt")
-    exp.add_argument("out_dir", type=Path)
+    exp.add_argument("out_dir", type=Path, metavar="OUT", help="a folder, or a file ending in .gguf (llama.cpp)")
     exp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     exp.add_argument("--force", action="store_true", help="replace OUT_DIR if it is not empty")
     mrg = sub.add_parser("merge", help="fold a LoRA checkpoint's adapters into its base: a full checkpoint")

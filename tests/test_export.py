@@ -54,7 +54,8 @@ def random_checkpoint(path: Path, model_config: dict, tokenizer_path=None, seed:
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.3 + 1.0 if p.dim() == 1 else torch.randn_like(p) * 0.1)
     atomic_save({"model": model.state_dict(), "model_config": vars(model.config), "stage": "sft", "step": 0,
-                 "config": {"tokenizer_path": None if tokenizer_path is None else str(tokenizer_path)}}, str(path))
+                 "config": {"tokenizer_path": None if tokenizer_path is None else str(tokenizer_path), "batch_size": 1,
+                            "accum_steps": 1}}, str(path))
     return path
 
 
@@ -156,6 +157,7 @@ def test_minimind_tokenizer_is_exported_as_it_is(tmp_path):
     convert.main(["export", str(ckpt), str(tmp_path / "hf")])
     ours, theirs = load_tokenizer(MINIMIND_TOKENIZER), AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert theirs(MIXED, add_special_tokens=False)["input_ids"] == ours.encode(MIXED)
+    assert theirs(MIXED)["input_ids"] == [ours.bos_id] + ours.encode(MIXED)  # bos first, as in pretraining
     assert theirs.decode(ours.encode(MIXED)) == MIXED
     original = json.loads((MINIMIND_TOKENIZER / "tokenizer_config.json").read_text(encoding="utf-8"))
     assert theirs.chat_template == original["chat_template"]
