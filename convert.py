@@ -478,7 +478,7 @@ def main(argv: list[str]):
     exp.add_argument("ckpt")
     exp.add_argument("out_dir", type=Path, metavar="OUT", help="a folder, or a file ending in .gguf (llama.cpp)")
     exp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    exp.add_argument("--force", action="store_true", help="replace OUT_DIR if it is not empty")
+    exp.add_argument("--force", action="store_true", help="replace OUT if it exists (a folder: if it is not empty)")
     mrg = sub.add_parser("merge", help="fold a LoRA checkpoint's adapters into its base: a full checkpoint")
     mrg.add_argument("lora", help="a checkpoint written by train_sft.py or train_dpo.py with lora_rank > 0")
     mrg.add_argument("out", help="the full checkpoint to write (must not exist)")

@@ -163,10 +163,11 @@ class Attention(nn.Module):
 
 def kernel_takes_groups(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether SDPA's fused kernel can read grouped kv heads itself (enable_gqa). On CUDA (PyTorch 2.13) only the
-    flash kernel can, and it takes neither a mask nor float32; the memory-efficient kernel takes both but not
-    groups, so for those the kv heads are repeated: otherwise SDPA falls to its math kernel and its full
-    (B, H, T, S) scores. A CPU's flash kernel takes groups with masks and float32."""
-    return q.device.type != "cuda" or (mask is None and q.dtype in (torch.float16, torch.bfloat16))
+    flash kernel can, and it takes neither a mask nor float32 nor a GPU older than Ampere; the memory-efficient
+    kernel takes all three but not groups, so for those the kv heads are repeated: otherwise SDPA falls to its math
+    kernel and its full (B, H, T, S) scores. A CPU's flash kernel takes groups with masks and float32."""
+    return q.device.type != "cuda" or (mask is None and q.dtype in (torch.float16, torch.bfloat16)
+                                       and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
 
 def visible_keys(start_pos: int | torch.Tensor, T: int, S: int, device) -> torch.Tensor:
