@@ -47,7 +47,7 @@ from lora import add_lora, trainable_params
 from metrics import measure_peak_flops
 from model import ModelConfig, Transformer
 from runtime import setup, synchronize
-from token_cache import tokenize_file
+from token_cache import encode_dpo, tokenize_file
 from tokenizer import load_tokenizer
 
 
@@ -152,10 +152,18 @@ class Synthetic:
     def __init__(self, tokenizer, seed: int = 1337):
         self.tok, self.rng = tokenizer, random.Random(seed)
         self.ids = tokenizer.encode(" ".join(demo_data.documents(2000, 20, self.rng)))
+        # what the chat template adds around a DPO prompt and an answer, in tokens (one-token texts: minus 1)
+        prompt, answer, _ = encode_dpo(tokenizer, {"prompt": "x", "chosen": "x", "rejected": "x"})[0]
+        self.template = (len(prompt) - 1, len(answer) - 1)
 
     def text(self, n_tokens: int) -> str:
+        """A stretch of the text that encodes to at most n_tokens (a cut stretch can encode to a few more)."""
         start = self.rng.randrange(len(self.ids) - n_tokens)
-        return self.tok.decode(self.ids[start : start + n_tokens]).strip() or "…"
+        for n in range(n_tokens, 0, -1):
+            text = self.tok.decode(self.ids[start : start + n]).strip()
+            if text and len(self.tok.encode(text)) <= n_tokens:
+                return text
+        return "…"
 
     def documents(self, n_tokens: int) -> list[dict]:
         docs, total = [], 0
@@ -171,7 +179,8 @@ class Synthetic:
                                   for _ in range(turns) for role in ("user", "assistant")]}
 
     def pair(self, max_prompt: int, max_completion: int) -> dict:
-        lengths = [self.rng.randint(8, max(8, limit - 8)) for limit in (max_prompt, max_completion, max_completion)]
+        limits = (max_prompt - self.template[0], max_completion - self.template[1], max_completion - self.template[1])
+        lengths = [self.rng.randint(min(8, limit), max(1, limit)) for limit in limits]
         return dict(zip(("prompt", "chosen", "rejected"), map(self.text, lengths)))
 
     def stage_data(self, mode: str, cfg, model_cfg, n_items: int) -> list[dict]:
