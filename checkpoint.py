@@ -22,7 +22,7 @@ from model import ModelConfig, Transformer
 from optim import NonFiniteGuard, configure_optimizer
 from runtime import Run, print0, seed_rank
 from token_cache import file_digest
-from tokenizer import load_tokenizer
+from tokenizer import NANOMIND_DIR, load_tokenizer
 
 
 # -----------------------------------------------------------------------------
@@ -233,15 +233,26 @@ def model_from_checkpoint(path: str, device="cpu", **overrides):
     return model.to(device), state
 
 
+def trained_tokenizer_path(state: dict) -> str | None:
+    """The tokenizer_path a checkpoint's run used, None meaning the default. A run that named none used the default
+    of its day: MiniMind's now, nanomind's own before (told apart by the recorded fingerprint; a checkpoint older
+    than the record is of nanomind's days)."""
+    path, recorded = state.get("config", {}).get("tokenizer_path"), state.get("tokenizer")
+    if path is None and (not recorded or recorded["fingerprint"] == load_tokenizer(NANOMIND_DIR).fingerprint):
+        return str(NANOMIND_DIR)
+    return path
+
+
 def checkpoint_tokenizer(state: dict, tokenizer_path: str | None = None):
-    """The tokenizer a checkpoint was trained with: the one its config names (None: the shipped one), or
-    tokenizer_path, which must hold the same files: other ids would turn its output into wrong text, silently."""
-    path = tokenizer_path if tokenizer_path is not None else state.get("config", {}).get("tokenizer_path")
+    """The tokenizer a checkpoint was trained with (trained_tokenizer_path), or tokenizer_path, which must hold the
+    same files: other ids would turn its output into wrong text, silently."""
+    path = tokenizer_path if tokenizer_path is not None else trained_tokenizer_path(state)
     tokenizer = load_tokenizer(path)
     recorded = state.get("tokenizer")  # absent from checkpoints written before it was recorded
     if recorded and recorded["fingerprint"] != tokenizer.fingerprint:
-        raise TokenizerError(f"tokenizer {path or 'tokenizer/'} is not the one the checkpoint was trained with "
-                             f"({recorded['path'] or 'tokenizer/'}, {recorded['chat_template']} chat template)")
+        raise TokenizerError(f"tokenizer {path or 'the default'} is not the one the checkpoint was trained with "
+                             f"({trained_tokenizer_path(state) or 'the default'}, {recorded['chat_template']} chat "
+                             "template)")
     return tokenizer
 
 
@@ -285,7 +296,7 @@ def finetune_model(cfg, run: Run) -> Transformer:
     model, state = model_from_checkpoint(cfg.init_from, run.device, flash=cfg.flash,
                                          grad_checkpoint=cfg.grad_checkpoint, dropout=cfg.dropout)
     if cfg.tokenizer_path is None:
-        cfg.tokenizer_path = state.get("config", {}).get("tokenizer_path")
+        cfg.tokenizer_path = trained_tokenizer_path(state)
     checkpoint_tokenizer(state, cfg.tokenizer_path)
     model.tok_embeddings.weight.requires_grad_(not cfg.freeze_embeddings)
     if cfg.lora_rank:  # everything frozen, adapters added

@@ -39,12 +39,13 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import atomic_save, checkpoint_tokenizer, load_checkpoint, load_model_state, model_from_checkpoint
+from checkpoint import (atomic_save, checkpoint_tokenizer, load_checkpoint, load_model_state, model_from_checkpoint,
+                        trained_tokenizer_path)
 from config import check_type, parse_flag_value
 from errors import CheckpointError, ConfigError, cli
 from gguf_export import architecture, export_gguf
 from model import ModelConfig, Transformer
-from tokenizer import DEFAULT_DIR, HFTokenizer, TiktokenTokenizer, _byte_level_alphabet, load_tokenizer
+from tokenizer import DEFAULT_DIR, NANOMIND_DIR, HFTokenizer, TiktokenTokenizer, _byte_level_alphabet, load_tokenizer
 
 # -----------------------------------------------------------------------------
 # safetensors
@@ -261,7 +262,8 @@ def import_weights(src: Path, out: Path, tokenizer_dir: str | None, stage: str, 
         tokenizer_dir = str(src)
     if tokenizer_dir is None:  # weights carry no tokenizer, and a wrong one of the same size fails without a word
         raise ConfigError(f"{src} holds no tokenizer.json: pass --tokenizer=DIR, the tokenizer the weights were "
-                          f"trained with (MiniMind's model/ folder; nanomind's own: --tokenizer={DEFAULT_DIR})")
+                          f"trained with (MiniMind's model/ folder, or the copy in {DEFAULT_DIR}; nanomind's own: "
+                          f"--tokenizer={NANOMIND_DIR})")
     state, hf_config = read_source(src)
     cfg = infer_config(state, config_from_hf(hf_config, src / "config.json") if hf_config else {}, flags, src)
     model = Transformer(cfg)
@@ -418,7 +420,7 @@ def export(ckpt: str, out_dir: Path, dtype: str, force: bool):
                           "pass --force to replace it")
     cfg = ModelConfig(**state["model_config"])
     tokenizer = checkpoint_tokenizer(state)  # the one it trained with, checked against its fingerprint
-    tokenizer_dir = Path(state["config"].get("tokenizer_path") or DEFAULT_DIR)
+    tokenizer_dir = Path(trained_tokenizer_path(state) or DEFAULT_DIR)
     files = tokenizer_files(tokenizer, tokenizer_dir, cfg.max_seq_len)
     model, _ = model_from_checkpoint(ckpt)  # a LoRA checkpoint comes merged onto its base
     if out_dir.suffix == ".gguf":

@@ -46,7 +46,7 @@ class Config:
     # --- data
     data_path: str | None = None  # None: random tokens (the data command needs a file)
     kind: str = "pretrain"  # pretrain | sft: how data_path is read
-    tokenizer_path: str | None = None  # None: the tokenizer shipped in tokenizer/
+    tokenizer_path: str | None = None  # None: the default, MiniMind's (tokenizer/minimind/)
     max_records: int | None = None  # data: read only the first this many records
     # --- the checks (model keys: see ModelConfig)
     batch_size: int = 8

@@ -17,13 +17,12 @@ from collections import defaultdict
 
 import torch
 
-from checkpoint import load_model
+from checkpoint import checkpoint_tokenizer, load_checkpoint, load_model
 from data import DPOData, Loader
 from engine import complete, prompt_ids
-from errors import cli
+from errors import ConfigError, cli
 from losses import sequence_logprobs
 from token_cache import tokenize_file
-from tokenizer import load_tokenizer
 
 HAN = re.compile(r"[\u4e00-\u9fff]")
 
@@ -61,7 +60,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ckpts", nargs="+", help="checkpoints to compare")
     p.add_argument("--data", default="data/demo/eval.jsonl")
-    p.add_argument("--tokenizer_path")
+    p.add_argument("--tokenizer_path", help="default: the one the first checkpoint was trained with")
     p.add_argument("--show", type=int, default=3, help="print this many example answers per checkpoint")
     p.add_argument("--dpo_pairs", help="held-out preference pairs (JSONL) to score")
     p.add_argument("--reference", help="the reference model of --dpo_pairs' reward accuracy (the SFT model)")
@@ -69,16 +68,23 @@ def main(argv=None):
                    help="per-token mean log-probs for the pairs (as DPO's length_norm); default: sums")
     args = p.parse_args(argv)
 
-    tokenizer = load_tokenizer(args.tokenizer_path)
+    tokenizer = checkpoint_tokenizer(load_checkpoint(args.ckpts[0]), args.tokenizer_path)  # the first one's
+
+    def load_same(path: str):
+        model, own, _ = load_model(path, tokenizer_path=args.tokenizer_path)
+        if own.fingerprint != tokenizer.fingerprint:
+            raise ConfigError(f"{path} was trained with another tokenizer than {args.ckpts[0]}: compare checkpoints "
+                              "of one tokenizer")
+        return model
+
     with open(args.data, encoding="utf-8") as f:
         items = [json.loads(line) for line in f]
     pairs = DPOData(tokenize_file(args.dpo_pairs, tokenizer, "dpo", verbose=False)) if args.dpo_pairs else None
     if pairs is not None and args.reference:
-        reference = pair_logprobs(load_model(args.reference, tokenizer_path=args.tokenizer_path)[0], pairs,
-                                  tokenizer.pad_id, args.length_norm)
+        reference = pair_logprobs(load_same(args.reference), pairs, tokenizer.pad_id, args.length_norm)
     results, preferences = {}, {}
     for path in args.ckpts:
-        model, _, _ = load_model(path, tokenizer_path=args.tokenizer_path)  # trained with this tokenizer
+        model = load_same(path)
         prompts = [prompt_ids(tokenizer, [{"role": "user", "content": it["question"]}]) for it in items]
         answers = complete(model, tokenizer, prompts, max_new_tokens=48)
         results[path] = score(items, answers)

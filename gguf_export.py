@@ -147,7 +147,7 @@ def split_rule(tokenizer_json: dict, where: str) -> str:
         return "gpt-2"
     raise ConfigError(f"{where}: the tokenizer splits text by a rule llama.cpp does not implement, so a GGUF would "
                       "tokenize differently: export a Hugging Face folder instead, or train with a tokenizer split "
-                      "by GPT-2's rule, such as MiniMind's (tokenizer_path=its folder; tests/fixtures/minimind)")
+                      "by GPT-2's rule, such as MiniMind's (the default)")
 
 
 def tokenizer_metadata(tokenizer_json: dict, tokenizer_config: dict, tokenizer, vocab_size: int, where: str) -> dict:

@@ -1,17 +1,20 @@
-"""Tokenizers behind one small interface: byte-level BPE run by tiktoken (default) or SentencePiece.
+"""Tokenizers behind one small interface: byte-level BPE run by tiktoken, or SentencePiece.
 
-    tok = load_tokenizer()              # the default shipped in tokenizer/ beside this file
-    ids = tok.encode("你好, world")     # ordinary text only: "<s>" in text is never the BOS id
+    tok = load_tokenizer()              # the default: MiniMind's, shipped in tokenizer/minimind/
+    ids = tok.encode("你好, world")     # ordinary text only: "<|im_start|>" in text is never the BOS id
     text = tok.decode(ids)
 
-nanomind's own tiktoken tokenizer is a directory with tokenizer.tiktoken (one "base64(token) rank"
-line per token: the 256 single bytes first, then the merges in training order) and nanomind.json
-(the pre-tokenisation pattern, the special tokens' ids, vocab_size; directories written before it
-had that name call it tokenizer.json). The special tokens take the last ids, so vocab_size counts
-them. train_tokenizer.py writes this format and SentencePiece's.
+Two tokenizers ship in tokenizer/. The default is MiniMind's (Apache-2.0): a Hugging Face tokenizer.json
+(+ tokenizer_config.json) holding a byte-level BPE of 6400 ids split by GPT-2's rule, with its ChatML
+template; HFTokenizer runs such files with tiktoken. It packs Chinese tighter than nanomind's own, and
+llama.cpp splits text by its rule exactly (docs/tokenizer.md).
 
-load_tokenizer also reads a Hugging Face tokenizer.json (+ tokenizer_config.json) holding a
-byte-level BPE, such as MiniMind's, and runs it with tiktoken: see HFTokenizer.
+nanomind's own, in tokenizer/nanomind/ (the default of earlier checkpoints, which still load with it), is
+a directory with tokenizer.tiktoken (one "base64(token) rank" line per token: the 256 single bytes
+first, then the merges in training order) and nanomind.json (the pre-tokenisation pattern, the special
+tokens' ids, vocab_size; directories written before it had that name call it tokenizer.json). The
+special tokens take the last ids, so vocab_size counts them. train_tokenizer.py writes this format and
+SentencePiece's.
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ from errors import TokenizerError
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "[INST]", "[/INST]", "<<SYS>>", "<</SYS>>"]
 CHAT_TOKENS = SPECIAL_TOKENS[3:]
-DEFAULT_DIR = Path(__file__).resolve().parent / "tokenizer"
+DEFAULT_DIR = Path(__file__).resolve().parent / "tokenizer" / "minimind"
+NANOMIND_DIR = DEFAULT_DIR.parent / "nanomind"  # the default until MiniMind's took its place
 META_FILE = "nanomind.json"  # beside tokenizer.tiktoken; not Hugging Face's tokenizer.json format
 
 # --- pre-tokenisation pattern -------------------------------------------------------------------
@@ -380,7 +384,7 @@ class HFTokenizer(Tokenizer):
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """None: the default in tokenizer/. A .model file: SentencePiece. A directory holding
+    """None: the default, MiniMind's, in tokenizer/minimind/. A .model file: SentencePiece. A directory holding
     tokenizer.tiktoken: nanomind's tiktoken format; else tokenizer.model: SentencePiece; else a
     Hugging Face tokenizer.json (+ tokenizer_config.json): its byte-level BPE run by tiktoken."""
     p = DEFAULT_DIR if path is None else Path(path)

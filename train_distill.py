@@ -16,7 +16,8 @@ dtype. The student starts fresh from the model keys (as in pretraining) or from 
 import torch
 import torch.nn.functional as F
 
-from checkpoint import EarlyStopping, checkpoint_to_resume, model_from_checkpoint, prepare_training
+from checkpoint import (EarlyStopping, checkpoint_to_resume, model_from_checkpoint, prepare_training,
+                        trained_tokenizer_path)
 from config import DistillConfig, load_config
 from data import pretrain_loaders, sft_loaders
 from errors import ConfigError, cli
@@ -61,10 +62,11 @@ def load_teacher(cfg, student: Transformer, run) -> Transformer:
     """The teacher in eval mode, frozen, with the student's attention path. It must share the run's tokenizer
     (the same files, not only the same size: KL compares distributions id by id) and vocabulary size."""
     teacher, state = model_from_checkpoint(cfg.teacher, run.device, flash=student.config.flash)
-    taught_with = state["config"].get("tokenizer_path")
+    taught_with = trained_tokenizer_path(state)
     if load_tokenizer(taught_with).fingerprint != load_tokenizer(cfg.tokenizer_path).fingerprint:
-        raise ConfigError(f"teacher {cfg.teacher} was trained with the tokenizer {taught_with or 'tokenizer/'}, this "
-                          f"run uses {cfg.tokenizer_path or 'tokenizer/'}: distillation needs the teacher's tokenizer")
+        raise ConfigError(f"teacher {cfg.teacher} was trained with the tokenizer {taught_with or 'the default'}, "
+                          f"this run uses {cfg.tokenizer_path or 'the default'}: distillation needs the teacher's "
+                          "tokenizer")
     if teacher.config.vocab_size != student.config.vocab_size:
         raise ConfigError(f"teacher {cfg.teacher} has vocab_size {teacher.config.vocab_size}, the student "
                           f"{student.config.vocab_size}: set vocab_size={teacher.config.vocab_size}")

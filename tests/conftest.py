@@ -21,6 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # every in-process training run in the tests: a tiny model, float32 on the CPU, a fixed MFU peak
 TINY_MODEL = ["--dim=32", "--n_layers=2", "--n_heads=4", "--n_kv_heads=2", "--max_seq_len=32"]
+TINY_CONTEXT = 128  # the tiny pretrained and SFT models' max_seq_len: two ChatML turns with their think tags fit
 TINY_RUN = ["--device=cpu", "--dtype=float32", "--peak_flops=1e12", "--log_interval=1", "--eval_steps=2"]
 LORA = ["--lora_rank=4", "--lora_alpha=8"]  # the LoRA runs' adapters
 
@@ -71,7 +72,7 @@ def tiny_pretrained(demo_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("pretrain")
     train_pretrain.main([f"--data_path={demo_dir}/pretrain.jsonl", f"--out_dir={out}", *TINY_MODEL, *TINY_RUN,
                          "--batch_size=16", "--lr=1e-2", "--warmup_steps=5", "--max_steps=60", "--eval_interval=60",
-                         "--max_seq_len=64"])
+                         f"--max_seq_len={TINY_CONTEXT}"])
     return out / "best.pt"
 
 
@@ -82,8 +83,8 @@ def tiny_sft(demo_dir, tiny_pretrained, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("sft")
     train_sft.main([f"--init_from={tiny_pretrained}", f"--data_path={demo_dir}/sft.jsonl", f"--out_dir={out}",
-                    *TINY_RUN, "--batch_size=16", "--lr=5e-3", "--max_steps=60", "--eval_interval=60",
-                    "--max_seq_len=64"])
+                    *TINY_RUN, "--batch_size=16", "--lr=5e-3", "--max_steps=150", "--eval_interval=150",
+                    f"--max_seq_len={TINY_CONTEXT}"])
     return out / "best.pt"
 
 
@@ -130,8 +131,9 @@ def run_script(*args, cwd=REPO):
 
 @pytest.fixture(scope="module")
 def tok():
-    """The shipped tokenizer (tokenizer/)."""
-    return load_tokenizer()
+    """nanomind's own tokenizer (tokenizer/nanomind/, the default before MiniMind's): the tests of its format, of
+    the [INST] template and of data handling that holds for any tokenizer."""
+    return load_tokenizer(tk.NANOMIND_DIR)
 
 
 def write_jsonl(path, rows):

@@ -13,7 +13,7 @@ from chat import encode_chat, show_mask
 from conftest import CONVERSATION
 from errors import BadRecord
 from token_cache import encode_dpo, encode_sft, tokenize_file
-from tokenizer import load_tokenizer
+from tokenizer import DEFAULT_DIR, load_tokenizer
 
 
 # --- [INST]: the shipped tokenizer ----------------------------------------------------------------
@@ -95,7 +95,7 @@ def test_show_mask_marks_every_token(tok):
 
 # --- ChatML: MiniMind's tokenizer and tokenizer_config.json ---------------------------------------
 
-MINIMIND = Path(__file__).resolve().parent / "fixtures" / "minimind"
+MINIMIND = DEFAULT_DIR  # MiniMind's, the default
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "查询城市天气",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
@@ -282,13 +282,12 @@ def test_file_line_of_a_malformed_record(ours, tmp_path):
         tokenize_file(str(path), ours, "sft", processes=1, verbose=False)
 
 
-def test_the_inst_template_names_chatml_for_tool_data():
-    shipped = load_tokenizer()
-    assert shipped.chat_template == "llama2"
+def test_the_inst_template_names_chatml_for_tool_data(tok):
+    assert tok.chat_template == "llama2"
     with pytest.raises(BadRecord, match="ChatML"):
-        encode_chat(shipped, CONVERSATIONS["tools, calls, results"][1:])
+        encode_chat(tok, CONVERSATIONS["tools, calls, results"][1:])
     with pytest.raises(BadRecord, match="reasoning_content.*ChatML"):
-        encode_chat(shipped, CONVERSATIONS["reasoning_content"])
+        encode_chat(tok, CONVERSATIONS["reasoning_content"])
 
 
 def test_minimind_tokenizer_through_pretrain_sft_and_sample(demo_dir, tmp_path, library, monkeypatch):
@@ -311,7 +310,7 @@ def test_minimind_tokenizer_through_pretrain_sft_and_sample(demo_dir, tmp_path, 
     args = [f"--init_from={pre}/best.pt", f"--data_path={data}", *TINY_RUN, "--batch_size=4", "--max_steps=3",
             "--eval_interval=3", "--max_seq_len=64", "--val_fraction=0.25"]
     with pytest.raises(TokenizerError, match="not the one the checkpoint was trained with"):
-        train_sft.main([*args, f"--out_dir={tmp_path / 'wrong'}", "--tokenizer_path=tokenizer"])
+        train_sft.main([*args, f"--out_dir={tmp_path / 'wrong'}", "--tokenizer_path=tokenizer/nanomind"])
     train_sft.main([*args, f"--out_dir={sft}"])
     state = torch.load(sft / "best.pt", weights_only=False)
     assert state["config"]["tokenizer_path"] == str(MINIMIND)

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium installed 
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
 SCREENSHOT = os.environ.get("CHAT_PAGE_SCREENSHOT")  # a path: also save the page's picture there (docs/)
+MAX_TOKENS = 30
 
 
 @pytest.fixture(scope="module")
@@ -33,18 +34,20 @@ def server(tiny_sft):
     proc.wait()
 
 
-def api_answer(url, messages) -> str:
-    body = json.dumps({"messages": messages, "temperature": 0, "max_tokens": 30}).encode()
+def api_answer(url, messages, finished: bool = False) -> str | None:
+    """The API's greedy answer (finished: None unless the model ended it before MAX_TOKENS)."""
+    body = json.dumps({"messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS}).encode()
     request = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request) as r:
-        return json.loads(r.read())["choices"][0]["message"]["content"]
+        choice = json.loads(r.read())["choices"][0]
+    return None if finished and choice["finish_reason"] != "stop" else choice["message"]["content"]
 
 
 def open_page(browser, url):
     page = browser.new_page(viewport={"width": 1100, "height": 700})
     page.goto(url + "/")
     page.fill("#temperature", "0")
-    page.fill("#max-tokens", "30")
+    page.fill("#max-tokens", str(MAX_TOKENS))
     # count the answer's updates as they arrive: a streamed answer shows up in several steps
     page.evaluate("""() => { window.updates = 0; new MutationObserver(() => window.updates++)
         .observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true}); }""")
@@ -63,11 +66,12 @@ def send(page, text: str) -> str:
 
 def test_a_multi_turn_chat_streams_the_api_s_answers_in_chinese_and_emoji(browser, server):
     page = open_page(browser, server)
-    # the tiny model ends some answers at once: take a system prompt and question it answers in several tokens
+    # the tiny model ends some answers at once, or runs on: take a system prompt and question it answers in several
+    # characters and ends
     candidates = [(s, q) for s in ("Answer briefly. 🌍", "你是一个助手。", "Be helpful.")
                   for q in ("What is the capital of Kenya? 😀", "肯尼亚的首都是哪里？😀", "What is 3 + 4? 你好")]
-    system, first = next((s, q) for s, q in candidates
-                         if len(api_answer(server, [{"role": "system", "content": s}, {"role": "user", "content": q}])) > 3)
+    system, first = next((s, q) for s, q in candidates if len((api_answer(
+        server, [{"role": "system", "content": s}, {"role": "user", "content": q}], finished=True) or "").strip()) > 3)
     second = "肯尼亚在哪个洲？"
     page.fill("#system", system)
     answer1 = send(page, first)

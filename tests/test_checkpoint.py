@@ -6,7 +6,7 @@ import pytest
 
 from checkpoint import load_checkpoint, load_model_state
 from conftest import TINY_RUN, pretrain, run_script
-from errors import CheckpointError, ConfigError
+from errors import CheckpointError, ConfigError, TokenizerError
 from model import ModelConfig, Transformer
 
 
@@ -52,3 +52,28 @@ def test_weights_of_another_shape_are_an_error_naming_the_keys():
     other = Transformer(ModelConfig(dim=32, n_layers=3, n_heads=4, n_kv_heads=1, vocab_size=64, max_seq_len=16))
     with pytest.raises(CheckpointError, match=r"layers\.2\.attention\.wq\.weight.*layers\.0\.attention\.wk\.weight"):
         load_model_state(small, other.state_dict(), "other.pt")
+
+
+@pytest.mark.parametrize("recorded", ["nanomind", "none", "minimind"])
+def test_a_checkpoint_without_a_tokenizer_path_gets_the_default_of_its_day(recorded, tmp_path):
+    """tokenizer_path None meant the default when the run was written: nanomind's own before MiniMind's took its
+    place (told apart by the recorded fingerprint; a checkpoint older than the record is of nanomind's days).
+    Sampling, serving, export and fine-tuning then use that tokenizer."""
+    import torch
+
+    from checkpoint import checkpoint_tokenizer, load_model, trained_tokenizer_path
+    from tokenizer import DEFAULT_DIR, NANOMIND_DIR, load_tokenizer
+
+    directory = DEFAULT_DIR if recorded == "minimind" else NANOMIND_DIR
+    tok = load_tokenizer(directory)
+    model = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=16))
+    state = {"model": model.state_dict(), "model_config": vars(model.config), "stage": "sft", "step": 0,
+             "config": {"tokenizer_path": None}}
+    if recorded != "none":
+        state["tokenizer"] = {"path": None, "fingerprint": tok.fingerprint, "chat_template": tok.chat_template}
+    torch.save(state, tmp_path / "old.pt")
+    _, loaded, _ = load_model(str(tmp_path / "old.pt"))
+    assert loaded.fingerprint == tok.fingerprint and loaded.chat_template == tok.chat_template
+    assert trained_tokenizer_path(state) == (None if recorded == "minimind" else str(NANOMIND_DIR))
+    with pytest.raises(TokenizerError, match="not the one the checkpoint was trained with"):
+        checkpoint_tokenizer({**state, "tokenizer": {"path": None, "fingerprint": "0" * 16, "chat_template": None}})

@@ -16,9 +16,9 @@ from config import load_config
 from conftest import TINY_RUN, greedy_alone
 from errors import CheckpointError, ConfigError
 from model import ModelConfig, Transformer
-from tokenizer import load_tokenizer
+from tokenizer import DEFAULT_DIR, load_tokenizer
 
-MINIMIND_TOKENIZER = Path(__file__).resolve().parent / "fixtures" / "minimind"
+MINIMIND_TOKENIZER = DEFAULT_DIR  # MiniMind's, the default
 # MiniMind's vocabulary; small widths; head_dim 24 is not dim / n_heads (64 / 4) for the Qwen3 shape
 SHAPE = dict(vocab_size=6400, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rope_theta=1e6, tie_word_embeddings=True)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import train_distill
 import train_sft
 from checkpoint import load_checkpoint
-from conftest import TINY_RUN, final_weights, read_metrics, train_losses
+from conftest import TINY_CONTEXT, TINY_RUN, final_weights, read_metrics, train_losses
 from errors import ConfigError
 from train_distill import distill_loss
 
@@ -40,8 +40,8 @@ def sft_flags(demo_dir, out_dir):
 
 
 def test_alpha_zero_is_exactly_sft_cross_entropy_training(tiny_pretrained, demo_dir, tiny_sft, tmp_path):
-    train_sft.main([f"--init_from={tiny_pretrained}", *sft_flags(demo_dir, tmp_path / "sft"), "--max_seq_len=64",
-                    "--warmup_ratio=None"])
+    train_sft.main([f"--init_from={tiny_pretrained}", *sft_flags(demo_dir, tmp_path / "sft"),
+                    f"--max_seq_len={TINY_CONTEXT}", "--warmup_ratio=None"])
     train_distill.main([f"--init_from={tiny_pretrained}", *sft_flags(demo_dir, tmp_path / "distill"),
                         f"--teacher={tiny_sft}", "--data_kind=sft", "--alpha=0"])
     sft, distilled = train_losses(tmp_path / "sft"), train_losses(tmp_path / "distill")
@@ -59,10 +59,10 @@ def distill(demo_dir, out_dir, teacher, *flags):
 
 def test_a_teacher_of_another_tokenizer_or_vocabulary_is_an_error(tiny_pretrained, demo_dir, tmp_path):
     state = load_checkpoint(str(tiny_pretrained))
-    state["config"]["tokenizer_path"] = "tests/fixtures/minimind"  # MiniMind's tokenizer: 6400 ids too, other ones
-    torch.save(state, tmp_path / "minimind_teacher.pt")
-    with pytest.raises(ConfigError, match=r"minimind_teacher\.pt was trained with the tokenizer tests/fixtures/minimind"):
-        distill(demo_dir, tmp_path / "a", tmp_path / "minimind_teacher.pt", "--max_steps=1")
+    state["config"]["tokenizer_path"] = "tokenizer/nanomind"  # nanomind's own tokenizer: 6400 ids too, other ones
+    torch.save(state, tmp_path / "nanomind_teacher.pt")
+    with pytest.raises(ConfigError, match=r"nanomind_teacher\.pt was trained with the tokenizer tokenizer/nanomind"):
+        distill(demo_dir, tmp_path / "a", tmp_path / "nanomind_teacher.pt", "--max_steps=1")
     with pytest.raises(ConfigError, match="has vocab_size 6400, the student 8000"):
         distill(demo_dir, tmp_path / "b", tiny_pretrained, "--max_steps=1", "--vocab_size=8000")
 

@@ -20,12 +20,13 @@ import sample
 import train_dpo
 from chat import encode_chat
 from checkpoint import load_model
-from conftest import TINY_RUN, read_metrics
+from conftest import TINY_CONTEXT, TINY_RUN, read_metrics
 from data import Loader, SFTData, pad_rows
 from losses import count_token_bytes, validation_loss
 from model import ModelConfig, Transformer
 from runtime import Run
 from token_cache import load_split
+import tokenizer as tk
 from tokenizer import load_tokenizer
 from train_tokenizer import main as train_tokenizer
 
@@ -40,8 +41,10 @@ def tiny_model(max_seq_len: int, seed: int = 0) -> Transformer:
 
 def save_checkpoint(path, model, stage: str = "pretrain") -> str:
     """A checkpoint as the training scripts write it, as far as eval.py reads one."""
+    tok = load_tokenizer()
     torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "stage": stage,
-                "step": 0, "config": {"tokenizer_path": None, "batch_size": 1, "accum_steps": 1}, "rng": [None]}, path)
+                "step": 0, "config": {"tokenizer_path": None, "batch_size": 1, "accum_steps": 1}, "rng": [None],
+                "tokenizer": {"path": None, "fingerprint": tok.fingerprint, "chat_template": tok.chat_template}}, path)
     return str(path)
 
 
@@ -63,12 +66,12 @@ def test_token_bytes_add_up_to_the_text_and_special_tokens_count_zero(tmp_path):
                      "--backend", "sentencepiece"])
     sentencepiece = load_tokenizer(tmp_path / "sp")
     assert sentencepiece.__class__.__name__ == "SentencePieceTokenizer"
-    for tok in (load_tokenizer(), load_tokenizer(os.path.join(FIXTURES, "minimind")), sentencepiece):
+    for tok in (load_tokenizer(), load_tokenizer(tk.NANOMIND_DIR), sentencepiece):
         counts = count_token_bytes(tok)
         assert int(counts[tok.encode(text)].sum()) == len(text.encode("utf-8"))
         assert counts[tok.bos_id] == counts[tok.eos_id] == counts[tok.pad_id] == 0
-    counts = count_token_bytes(load_tokenizer())
-    assert all(counts[i] == 0 for ids in load_tokenizer().chat_tokens.values() for i in ids)  # [INST] ...
+    nanomind = load_tokenizer(tk.NANOMIND_DIR)
+    assert all(count_token_bytes(nanomind)[i] == 0 for ids in nanomind.chat_tokens.values() for i in ids)  # [INST]
 
 
 def test_bpb_of_a_text_is_its_nats_over_ln2_over_its_bytes(tmp_path):
@@ -97,7 +100,7 @@ def test_validation_loss_weighs_every_token_alike_and_bpb_counts_the_answers_byt
     """val_loss of SFT conversations in batches of different sizes: all answer tokens' nats over their number (what
     eval.py reports too), not a mean of the batches' means; val_bpb: those nats over the bytes of ' {answer} '
     (llama2)."""
-    tok = load_tokenizer()
+    tok = load_tokenizer(tk.NANOMIND_DIR)
     convs = [[{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5."},
               {"role": "user", "content": "和呢？"}, {"role": "assistant", "content": "五。"}],
              [{"role": "user", "content": "Where is Peru?"},
@@ -139,7 +142,8 @@ def test_every_stage_logs_val_bpb(tiny_pretrained, tiny_sft, demo_dir, tmp_path)
         with torch.no_grad():
             _, ce = model(X, Y, reduction="none")
         nats += (ce * M).sum().item()
-        n_bytes += len(tok.decode([t for t in chosen if t != tok.eos_id]).encode())
+        special = {tok.eos_id, *tok.added_tokens.values()}  # 0 bytes: eos, and ChatML's think tags
+        n_bytes += len(tok.decode([t for t in chosen if t not in special]).encode())
     assert row["val_bpb"] == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
 
 
@@ -192,23 +196,24 @@ def test_sft_eval_perplexity_answers_and_report(tiny_sft, demo_dir, tmp_path):
     records = [json.loads(line) for line in open(f"{demo_dir}/sft.jsonl", encoding="utf-8")][:6]
     nats = tokens = 0.0
     for r in records:  # perplexity: the training loss (masked to the answers) over all 6 conversations' tokens
-        ids, mask = encode_chat(tok, r["conversations"], r.get("system"), max_len=65)
+        ids, mask = encode_chat(tok, r["conversations"], r.get("system"), max_len=TINY_CONTEXT + 1)
         X, Y, M = pad_rows([(np.array(ids), np.array(mask))], tok.pad_id)
         with torch.no_grad():
             _, ce_sum = model(X, Y, M, reduction="sum")
         nats, tokens = nats + ce_sum.item(), tokens + M.sum().item()
     assert section["answer_tokens"] == tokens and section["ppl"] == pytest.approx(math.exp(nats / tokens), rel=1e-5)
     # the answers are sample.py's greedy answers, one conversation at a time
-    args = SimpleNamespace(max_new_tokens=12, temperature=0, top_k=None, top_p=None, repetition_penalty=1.0)
-    for r, s in zip(records, section["samples"]):
-        ids, _ = encode_chat(tok, r["conversations"][:-1], r.get("system"))
+    for r, s in zip(records, section["samples"]):  # prompts cut to leave one position, answers to what is left
+        ids, _ = encode_chat(tok, r["conversations"][:-1], r.get("system"), max_len=TINY_CONTEXT - 1)
+        args = SimpleNamespace(max_new_tokens=min(12, TINY_CONTEXT - len(ids)), temperature=0, top_k=None, top_p=None,
+                               repetition_penalty=1.0)
         assert s["answer"] == sample.respond(model, tok, ids, args).strip()
         assert s["reference"] == r["conversations"][-1]["content"]
     answers, refs = [s["answer"] for s in section["samples"]], [s["reference"] for s in section["samples"]]
     assert section["bleu4"] == ev.bleu4(answers, refs)
     assert section["rougeL_f1"] == pytest.approx(sum(map(ev.rouge_l, answers, refs)) / 6)
     report = json.load(open(out / "report.json", encoding="utf-8"))
-    assert report["sections"]["sft"]["ppl"] == section["ppl"] and report["training"]["steps"] == 60
+    assert report["sections"]["sft"]["ppl"] == section["ppl"] and report["training"]["steps"] == 150
     md = (out / "report.md").read_text(encoding="utf-8")
     assert f"| {section['ppl']:.3f} |" in md and refs[0] in md
 
@@ -216,7 +221,7 @@ def test_sft_eval_perplexity_answers_and_report(tiny_sft, demo_dir, tmp_path):
 def test_sft_eval_in_the_chatml_template(tmp_path):
     """MiniMind's tokenizer: the same perplexity by hand, and bits per byte over what the assistant's turn writes
     ("<think>\\n\\n</think>\\n\\n" then the answer: the tags and <|im_end|> are special, the 4 newlines are bytes)."""
-    tok_dir = os.path.join(FIXTURES, "minimind")
+    tok_dir = str(tk.DEFAULT_DIR)  # MiniMind's
     tok, model = load_tokenizer(tok_dir), tiny_model(max_seq_len=64)
     ckpt = save_checkpoint(tmp_path / "chatml.pt", model, stage="sft")
     state = torch.load(ckpt, weights_only=False)
@@ -327,10 +332,10 @@ def test_a_model_trained_on_the_answers_gets_them_all(tmp_path):
     for q in questions:
         rows.append(ev.text_rows(tok, q, [], "en")[q.answer])
         rows.append(ev.letter_rows(tok, q, [], "en")[q.answer])
-    model = tiny_model(max_seq_len=64, seed=1).train()
+    model = tiny_model(max_seq_len=128, seed=1).train()
     X, Y, M = pad_rows([(np.array(i), np.array(m)) for i, m in rows], tok.pad_id)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(40):
+    for _ in range(160):  # to a loss near 0: every answer, text and letter, memorised
         _, loss = model(X, Y, M)
         loss.backward()
         optimizer.step()
@@ -342,7 +347,7 @@ def test_a_model_trained_on_the_answers_gets_them_all(tmp_path):
         assert section["subjects"]["overall"]["acc"] == 1.0 and section["subjects"]["overall"]["n"] == 2
     report = json.load(open(tmp_path / "report.json", encoding="utf-8"))
     assert set(report["sections"]) == {"choice/mmlu/val/0-shot/text", "choice/mmlu/val/0-shot/letter"}
-    untrained = save_checkpoint(tmp_path / "untrained.pt", tiny_model(max_seq_len=64, seed=1), stage="sft")
+    untrained = save_checkpoint(tmp_path / "untrained.pt", tiny_model(max_seq_len=128, seed=1), stage="sft")
     section = ev.main(["choice", *args, f"--ckpt={untrained}", f"--out={tmp_path / 'untrained'}"])
     assert section["subjects"]["overall"]["acc"] < 1.0
 

@@ -16,10 +16,10 @@ from config import PretrainConfig, load_config
 from conftest import corpus_lines, greedy_alone, random_strings
 from errors import CheckpointError, ConfigError
 from model import ModelConfig, Transformer
-from tokenizer import DEFAULT_DIR, load_tokenizer
+from tokenizer import DEFAULT_DIR, NANOMIND_DIR, load_tokenizer
 from train_tokenizer import main as train_tokenizer
 
-MINIMIND_TOKENIZER = Path(__file__).resolve().parent / "fixtures" / "minimind"
+MINIMIND_TOKENIZER = DEFAULT_DIR  # MiniMind's, the default
 MIXED = ("人工智能是计算机科学的一个分支。The quick brown fox isn't lazy; 3.14 ≈ π, ２０２４年!\n"
          "def f(x):\n\treturn x ** 2  # 平方\r\n\n  emoji 😀👍🏽 ❤️‍🔥 🇨🇳 👨‍👩‍👧‍👦 ✨   end ")
 CONVERSATIONS = [
@@ -53,9 +53,12 @@ def random_checkpoint(path: Path, model_config: dict, tokenizer_path=None, seed:
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.3 + 1.0 if p.dim() == 1 else torch.randn_like(p) * 0.1)
+    path_ = None if tokenizer_path is None else str(tokenizer_path)
+    tok = load_tokenizer(path_)
     atomic_save({"model": model.state_dict(), "model_config": vars(model.config), "stage": "sft", "step": 0,
-                 "config": {"tokenizer_path": None if tokenizer_path is None else str(tokenizer_path), "batch_size": 1,
-                            "accum_steps": 1}}, str(path))
+                 "config": {"tokenizer_path": path_, "batch_size": 1, "accum_steps": 1},
+                 "tokenizer": {"path": path_, "fingerprint": tok.fingerprint, "chat_template": tok.chat_template}},
+                str(path))
     return path
 
 
@@ -121,10 +124,11 @@ def test_sample_py_greedy_answer_equals_transformers_chat_generate(tmp_path, cap
     assert len(out) > 3  # a real answer was compared, not two empty strings
 
 
-@pytest.fixture(scope="module", params=["shipped", "trained"])
+@pytest.fixture(scope="module", params=["nanomind", "trained"])
 def exported_tokenizer(request, trained_tokenizer, tmp_path_factory):
-    """(nanomind's tokenizer, transformers' AutoTokenizer on the exported folder)."""
-    directory = DEFAULT_DIR if request.param == "shipped" else trained_tokenizer
+    """(a tiktoken tokenizer, transformers' AutoTokenizer on the exported folder): nanomind's own, or one trained
+    here. (MiniMind's, the default: test_minimind_tokenizer_is_exported_as_it_is.)"""
+    directory = NANOMIND_DIR if request.param == "nanomind" else trained_tokenizer
     tmp = tmp_path_factory.mktemp("export")
     ckpt = random_checkpoint(tmp / "ckpt.pt", TINY["tied_gqa"], directory)
     convert.main(["export", str(ckpt), str(tmp / "hf")])

@@ -18,7 +18,7 @@ from conftest import corpus_lines, random_strings
 from errors import ConfigError
 from gguf_export import halves_to_pairs
 from test_export import CONVERSATIONS, MINIMIND_TOKENIZER, MIXED, TINY, nanomind_logits, random_checkpoint
-from tokenizer import load_tokenizer
+from tokenizer import NANOMIND_DIR, load_tokenizer
 
 SHAPES = {name: shape | {"vocab_size": 6400} for name, shape in TINY.items()}  # llama; qwen3 (qk_norm, untied)
 
@@ -108,7 +108,7 @@ def test_llama_cpp_computes_nanomind_s_logits_and_greedy_tokens(exported):
 
 
 def test_a_tokenizer_llama_cpp_cannot_split_is_refused_and_nothing_written(tmp_path):
-    ckpt = random_checkpoint(tmp_path / "ckpt.pt", TINY["tied_gqa"])  # nanomind's own tokenizer and split rule
+    ckpt = random_checkpoint(tmp_path / "ckpt.pt", TINY["tied_gqa"], NANOMIND_DIR)  # its own split rule
     with pytest.raises(ConfigError, match="rule llama.cpp does not implement"):
         convert.main(["export", str(ckpt), str(tmp_path / "model.gguf")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]

@@ -1,5 +1,5 @@
 """Hugging Face byte-level BPE files run by tiktoken give the ids of the tokenizers library itself, on MiniMind's
-tokenizer.json (tests/fixtures/minimind) and on small ones trained here with the library's own trainer."""
+tokenizer.json (tokenizer/minimind, the default) and on small ones trained here with the library's own trainer."""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,7 @@ from tokenizer import TokenizerError, load_tokenizer
 from train_tokenizer import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
-MINIMIND = ROOT / "tests" / "fixtures" / "minimind"
+MINIMIND = ROOT / "tokenizer" / "minimind"
 SHIPPED_FINGERPRINT = "c93ebe85913d7b99"  # tokenizer/ before its tokenizer.json became nanomind.json
 # Qwen2's split: a Split pre-tokenizer followed by ByteLevel without its own regex
 QWEN_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -242,15 +242,15 @@ def test_add_prefix_space_in_config_is_refused(tmp_path):
 
 
 def test_shipped_tokenizer_renamed_with_its_fingerprint_and_old_name_loads(tmp_path):
-    """nanomind.json is the shipped tokenizer's old tokenizer.json, byte for byte: every cache keyed on its
+    """nanomind.json is nanomind's tokenizer's old tokenizer.json, byte for byte: every cache keyed on its
     fingerprint stays valid, and a directory still holding the old name loads the same tokenizer."""
-    shipped = load_tokenizer()
+    shipped = load_tokenizer(tk.NANOMIND_DIR)
     assert isinstance(shipped, tk.TiktokenTokenizer) and shipped.fingerprint == SHIPPED_FINGERPRINT
-    assert not (tk.DEFAULT_DIR / "tokenizer.json").exists()
+    assert not (tk.NANOMIND_DIR / "tokenizer.json").exists()
     old = tmp_path / "old"
     old.mkdir()
-    shutil.copy(tk.DEFAULT_DIR / "tokenizer.tiktoken", old / "tokenizer.tiktoken")
-    shutil.copy(tk.DEFAULT_DIR / tk.META_FILE, old / "tokenizer.json")
+    shutil.copy(tk.NANOMIND_DIR / "tokenizer.tiktoken", old / "tokenizer.tiktoken")
+    shutil.copy(tk.NANOMIND_DIR / tk.META_FILE, old / "tokenizer.json")
     tok = load_tokenizer(old)
     assert isinstance(tok, tk.TiktokenTokenizer) and tok.fingerprint == SHIPPED_FINGERPRINT
     assert all(tok.encode(t) == shipped.encode(t) for t in CHECK + HAND_WRITTEN)
@@ -266,7 +266,7 @@ def test_which_format_a_directory_is_read_as(tmp_path):
     folders hold a tokenizer.json too), then a Hugging Face tokenizer.json."""
     hf = train_lib_tokenizer(tmp_path / "hf", "byte_level")
     assert isinstance(load_tokenizer(hf), tk.HFTokenizer)
-    ours = shutil.copytree(tk.DEFAULT_DIR, tmp_path / "ours", ignore=shutil.ignore_patterns("*.py"))
+    ours = shutil.copytree(tk.NANOMIND_DIR, tmp_path / "ours", ignore=shutil.ignore_patterns("*.py"))
     shutil.copy(hf / "tokenizer.json", ours / "tokenizer.json")
     assert load_tokenizer(ours).fingerprint == SHIPPED_FINGERPRINT
     sp = tmp_path / "sp"

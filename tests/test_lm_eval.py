@@ -19,6 +19,7 @@ import eval as ev
 from checkpoint import load_model
 from runtime import Run
 from test_export import MINIMIND_TOKENIZER, random_checkpoint
+from tokenizer import NANOMIND_DIR
 
 SUBJECTS = ["capitals", "arithmetic", "colours", "animals"]
 
@@ -40,7 +41,7 @@ def questions(n: int, seed: int) -> list[dict]:
 def test_lm_eval_scores_the_export_as_eval_py_scores_the_checkpoint(tokenizer, tmp_path):
     shape = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128)
     ckpt = random_checkpoint(tmp_path / "ckpt.pt", shape | {"vocab_size": 6400},
-                             MINIMIND_TOKENIZER if tokenizer == "minimind" else None, seed=3)
+                             MINIMIND_TOKENIZER if tokenizer == "minimind" else NANOMIND_DIR, seed=3)
     convert.main(["export", str(ckpt), str(tmp_path / "hf")])
     qs = questions(24, seed=1)
     (tmp_path / "mmlu" / "val").mkdir(parents=True)

@@ -36,12 +36,12 @@ def one_thread():
 
 def stage_flags(stage: str, request, tmp_path) -> list[str]:
     """A tiny run of a stage with dropout 0.1, so that the restored RNG states matter, on the first records of the demo
-    file, 20% held out: 6 batches per epoch, so that runs cross epoch ends (pretraining: 40 documents = 100 windows of
-    33 tokens, in 16s; SFT, DPO: 48 conversations or pairs, in 8s). SFT and DPO start from the session's tiny models;
+    file, 20% held out: 6 batches per epoch, so that runs cross epoch ends (pretraining: 37 documents, ~100 training
+    windows of 33 tokens, in 16s; SFT, DPO: 48 conversations or pairs, in 8s). SFT and DPO start from the session's tiny models;
     early stopping is off, so every run has its full length."""
     lines = (request.getfixturevalue("demo_dir") / f"{stage}.jsonl").read_text(encoding="utf-8").splitlines(True)
     data = tmp_path / f"{stage}.jsonl"
-    data.write_text("".join(lines[: 40 if stage == "pretrain" else 60]), encoding="utf-8")
+    data.write_text("".join(lines[: 37 if stage == "pretrain" else 60]), encoding="utf-8")
     common = [f"--data_path={data}", *DEFAULT_PEAK, "--val_fraction=0.2", "--dropout=0.1", "--eval_interval=4"]
     if stage == "pretrain":
         return [*common, *TINY_MODEL, "--batch_size=16", "--lr=3e-3", "--warmup_steps=3"]

@@ -37,8 +37,9 @@ def test_a_scripted_two_turn_chat_feeds_history_in_the_template(tiny_sft, monkey
     assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
     expected_turn_two, _ = encode_chat(tok, history[:3], system="Be brief.")
     assert fed[1] == expected_turn_two  # turn one's question and answer, then turn two's question, in the template
-    assert tok.decode(fed[1]).startswith("<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nWhat is 2 + 3? [/INST]")
-    assert tok.decode(fed[1]).endswith("</s><s>[INST] 法国的首都是哪里？ [/INST]")
+    assert tok.decode(fed[1]).startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?")
+    assert tok.decode(fed[1]).endswith("<|im_start|>user\n法国的首都是哪里？<|im_end|>\n<|im_start|>assistant\n"
+                                       "<think>\n\n</think>\n\n")
 
 
 def test_answers_are_reproducible_with_the_same_seed(tiny_sft):
@@ -67,19 +68,19 @@ def test_the_cli_uses_the_template_for_chat_checkpoints_and_plain_text_for_pretr
 
 def test_sample_defaults_fit_a_short_context_model_and_a_bad_max_new_tokens_is_an_error_line(tiny_sft, capsys,
                                                                                               monkeypatch):
-    """The tiny SFT model's context is 64 ids: the defaults answer within it (the prompt keeps at most half);
+    """The tiny SFT model's context is 128 ids: the defaults answer within it (the prompt keeps at most half);
     an explicit --max_new_tokens that leaves no room for the prompt is one error line."""
     import sample
 
     max_seq_len = load_model(str(tiny_sft))[0].config.max_seq_len
-    assert max_seq_len == 64
+    assert max_seq_len == 128
     fed = []
     respond = sample.respond
     monkeypatch.setattr(sample, "respond", lambda model, tok, ids, args, *rest: fed.append(ids) or
                         respond(model, tok, ids, args, *rest))
     sample.main(["--ckpt", str(tiny_sft), "--prompt", "What is the capital of Kenya? " * 20])
     assert 0 < len(fed[0]) <= max_seq_len // 2 and capsys.readouterr().out.strip()
-    result = run_script("sample.py", "--ckpt", str(tiny_sft), "--prompt", "hi", "--max_new_tokens", "64")
+    result = run_script("sample.py", "--ckpt", str(tiny_sft), "--prompt", "hi", "--max_new_tokens", "128")
     assert result.returncode == 2 and result.stderr.startswith("error: --max_new_tokens")
     assert len(result.stderr.strip().splitlines()) == 1
 

@@ -16,7 +16,7 @@ import torch
 import sample
 from chat import encode_chat
 from checkpoint import load_model
-from conftest import REPO, greedy_alone, health, start_server, wait_until
+from conftest import REPO, TINY_CONTEXT, greedy_alone, health, start_server, wait_until
 from model import ModelConfig, Transformer
 from tokenizer import load_tokenizer
 
@@ -41,13 +41,14 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def reference(tiny_sft):
-    """Greedy answers computed alone (batch 1), for questions asked with max_tokens=40."""
+    """Greedy answers computed alone (batch 1), for questions asked with max_tokens=40: at most what the context
+    leaves."""
     model, _, _ = load_model(str(tiny_sft))
     tokenizer = load_tokenizer()
     answers = {}
     for q in QUESTIONS:
         ids, _ = encode_chat(tokenizer, [{"role": "user", "content": q}])
-        new = greedy_alone(model, ids, 40, tokenizer.eos_id)
+        new = greedy_alone(model, ids, min(40, model.config.max_seq_len - len(ids)), tokenizer.eos_id)
         answers[q] = {"prompt_tokens": len(ids), "completion_tokens": len(new),
                       "finish_reason": "stop" if new[-1] == tokenizer.eos_id else "length",
                       "content": tokenizer.decode([t for t in new if t != tokenizer.eos_id]).strip(" ")}
@@ -75,8 +76,9 @@ def test_greedy_chat_answers_are_sample_py_s_with_the_tokenizer_s_usage(client, 
         assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (
             expected["prompt_tokens"], expected["completion_tokens"])
         assert answer.usage.total_tokens == expected["prompt_tokens"] + expected["completion_tokens"]
-        sample.main(["--ckpt", str(tiny_sft), "--prompt", q, "--temperature", "0", "--max_new_tokens", "40"])
-        assert capsys.readouterr().out.rstrip("\n").strip(" ") == expected["content"]
+        room = str(min(40, TINY_CONTEXT - expected["prompt_tokens"]))  # as the reference: the prompt whole, then what fits
+        sample.main(["--ckpt", str(tiny_sft), "--prompt", q, "--temperature", "0", "--max_new_tokens", room])
+        assert capsys.readouterr().out.strip() == expected["content"].strip()  # print ends the line
     assert any(reference[q]["content"] for q in QUESTIONS)  # the tiny model says something
 
 
@@ -109,15 +111,16 @@ def test_completions_continue_the_text_as_greedy_decoding_alone_does(client, tin
     tokenizer = load_tokenizer()
     prompt = "The capital of Kenya is"
     ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
-    out = greedy_alone(model, ids, 5)
-    assert tokenizer.eos_id not in out
+    out = greedy_alone(model, ids, 5, tokenizer.eos_id)  # eos last if the model ends the text there
+    text = tokenizer.decode([t for t in out if t != tokenizer.eos_id])
+    finish = "stop" if out[-1] == tokenizer.eos_id else "length"
     done = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=5,
                                      temperature=0)
-    assert done.choices[0].text == tokenizer.decode(out) and done.choices[0].finish_reason == "length"
-    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), 5)
+    assert done.choices[0].text == text and done.choices[0].finish_reason == finish
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), len(out))
     chunks = list(client.completions.create(model=done.model, prompt=prompt, max_tokens=5, temperature=0,
                                             stream=True))
-    assert "".join(c.choices[0].text for c in chunks) == tokenizer.decode(out)
+    assert "".join(c.choices[0].text for c in chunks) == text
 
 
 def test_the_context_running_out_ends_with_length(client, tiny_sft):
@@ -273,7 +276,7 @@ def test_a_chatml_checkpoint_is_served_in_its_own_template(tmp_path):
     (prompt tokens = apply_chat_template's) and answers what greedy decoding alone gives."""
     from transformers import AutoTokenizer
 
-    minimind = os.path.join(REPO, "tests", "fixtures", "minimind")
+    minimind = os.path.join(REPO, "tokenizer", "minimind")
     tokenizer = load_tokenizer(minimind)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=6400, max_seq_len=128))

@@ -1,13 +1,13 @@
 """
-Rebuild the real-text half of the corpus the shipped tokenizer was trained on: ~20 MB of Chinese and English
-prose from Debian's documentation packages (a Debian 12 machine):
+Rebuild the real-text half of the corpus nanomind's own tokenizer (this folder) was trained on: ~20 MB of Chinese
+and English prose from Debian's documentation packages (a Debian 12 machine):
 
     apt-get install -y manpages-zh debian-reference-zh-cn debian-reference-en fortunes-zh debian-faq-zh-cn \
         maint-guide-zh-cn debian-edu-doc-zh-cn libreoffice-help-zh-cn gimp-help-en python3.11-doc
-    python tokenizer/make_corpus.py /tmp/corpus            # -> /tmp/corpus/train.jsonl, heldout*.txt
+    python tokenizer/nanomind/make_corpus.py /tmp/corpus            # -> /tmp/corpus/train.jsonl, heldout*.txt
     python prepare_demo.py
     python train_tokenizer.py --input /tmp/corpus/train.jsonl data/demo/pretrain.jsonl data/demo/sft.jsonl \
-        --vocab_size 6400 --out tokenizer
+        --vocab_size 6400 --out tokenizer/nanomind
 
 The held-out files (every document whose crc32 is 0 mod 20) measure compression; they are not trained on.
 """
@@ -97,5 +97,5 @@ def main(out_dir: str):
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 or sys.argv[1:] in (["-h"], ["--help"]):
-        raise SystemExit(__doc__ + "\nusage: python tokenizer/make_corpus.py [OUT_DIR (default: corpus)]")
+        raise SystemExit(__doc__ + "\nusage: python tokenizer/nanomind/make_corpus.py [OUT_DIR (default: corpus)]")
     main(sys.argv[1] if len(sys.argv) > 1 else "corpus")
