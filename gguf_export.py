@@ -17,6 +17,7 @@ The tokenizer goes in as llama.cpp's byte-level BPE (`gpt2`): tokens spelled in 
 types, the merges, and the name of the split rule llama.cpp applies before BPE. llama.cpp implements a fixed list
 of rules; a tokenizer split by another (nanomind's own) is refused rather than written to tokenize differently.
 """
+import json
 import re
 import struct
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch
 
 from errors import ConfigError
 from model import ModelConfig
+from tokenizer import PATTERN
 
 GGUF_VERSION = 3
 ALIGNMENT = 32  # llama.cpp's default: the tensor data and every tensor in it start at a multiple of it
@@ -140,19 +142,23 @@ def model_metadata(cfg: ModelConfig, dtype: torch.dtype, name: str) -> dict:
 # -----------------------------------------------------------------------------
 # the tokenizer
 
-def split_rule(tokenizer_json: dict, where: str) -> str:
+def split_rule(tokenizer_json: dict, tokenizer, where: str) -> str:
     """llama.cpp's name for the rule that cuts text into pieces before BPE (tokenizer.ggml.pre)."""
     pre = tokenizer_json.get("pre_tokenizer") or {}
     if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):  # GPT-2's split (tokenizer.GPT2_PATTERN)
         return "gpt-2"
-    raise ConfigError(f"{where}: the tokenizer splits text by a rule llama.cpp does not implement, so a GGUF would "
-                      "tokenize differently: export a Hugging Face folder instead, or train with a tokenizer split "
-                      "by GPT-2's rule, such as MiniMind's (the default)")
+    pattern = getattr(tokenizer, "pattern", None)  # a tiktoken tokenizer's
+    rule = ("nanomind's own rule (one digit per token, Chinese runs apart from other letters)"
+            if pattern == PATTERN else f"the pattern {pattern[:50]!r}..." if pattern
+            else f"the pre_tokenizer {json.dumps(pre)[:80]}")
+    raise ConfigError(f"{where}: the tokenizer splits text by {rule}, which llama.cpp does not implement, so a GGUF "
+                      "would tokenize differently: export a Hugging Face folder instead, or train with a tokenizer "
+                      "split by GPT-2's rule, such as MiniMind's (the default)")
 
 
 def tokenizer_metadata(tokenizer_json: dict, tokenizer_config: dict, tokenizer, vocab_size: int, where: str) -> dict:
     """tokenizer_json / tokenizer_config: the tokenizer as Hugging Face files (convert.tokenizer_files)."""
-    pre = split_rule(tokenizer_json, where)
+    pre = split_rule(tokenizer_json, tokenizer, where)
     added = {t["id"]: t for t in tokenizer_json.get("added_tokens") or []}
     spelled = {i: t for t, i in tokenizer_json["model"]["vocab"].items()} | {i: t["content"] for i, t in added.items()}
     if max(spelled) >= vocab_size:
