@@ -1,4 +1,4 @@
-"""convert.py export to .gguf: the gguf package reads back every key and tensor, and llama.cpp itself (through
+"""convert.py export to .gguf: the gguf package reads back the keys and every tensor, and llama.cpp itself (through
 llama-cpp-python, unpatched) tokenizes as nanomind does, computes the same logits and picks the same greedy tokens;
 a tokenizer split by a rule llama.cpp lacks is refused before anything is written."""
 import random
@@ -16,7 +16,7 @@ from chat import encode_chat
 from checkpoint import model_from_checkpoint
 from conftest import corpus_lines, random_strings
 from errors import ConfigError
-from gguf_export import halves_to_pairs
+from gguf_export import gguf_name, halves_to_pairs
 from test_export import CONVERSATIONS, MINIMIND_TOKENIZER, MIXED, TINY, nanomind_logits, random_checkpoint
 from tokenizer import NANOMIND_DIR, load_tokenizer
 
@@ -41,7 +41,7 @@ def exported(request, tmp_path_factory):
     return model.eval(), load_tokenizer(MINIMIND_TOKENIZER), tmp / "model.gguf", llama(tmp / "model.gguf")
 
 
-def test_the_gguf_package_reads_back_every_key_and_tensor(exported):
+def test_the_gguf_package_reads_back_the_model_s_keys_and_every_tensor(exported):
     model, tok, path, _ = exported
     reader = gguf.GGUFReader(path)
     fields = {name: field.contents() for name, field in reader.fields.items()}
@@ -56,12 +56,13 @@ def test_the_gguf_package_reads_back_every_key_and_tensor(exported):
     assert (fields["tokenizer.ggml.bos_token_id"], fields["tokenizer.ggml.add_bos_token"]) == (tok.bos_id, True)
     tensors = {t.name: torch.from_numpy(t.data.copy()).reshape(list(reversed(t.shape.tolist()))) for t in reader.tensors}
     state = model.state_dict()
-    embedding = tensors["token_embd.weight"]
-    assert torch.equal(embedding, state["tok_embeddings.weight"]) and ("output.weight" in tensors) != cfg.tie_embeddings
-    q = tensors["blk.1.attn_q.weight"]
-    wq = state["layers.1.attention.wq.weight"]
-    assert torch.equal(q, wq if cfg.qk_norm else halves_to_pairs(wq, cfg.n_heads))
-    assert len(tensors) == len(state) - cfg.tie_embeddings
+    assert ("output.weight" in tensors) != cfg.tie_embeddings and len(tensors) == len(state) - cfg.tie_embeddings
+    for name, weight in state.items():  # every tensor, bit for bit: llama's q and k rows in adjacent-pair order
+        if name == "output.weight" and cfg.tie_embeddings:
+            continue
+        if not cfg.qk_norm and name.endswith((".wq.weight", ".wk.weight")):
+            weight = halves_to_pairs(weight, cfg.n_heads if ".wq." in name else cfg.n_kv_heads)
+        assert torch.equal(tensors[gguf_name(name)], weight), name
 
 
 def test_llama_cpp_tokenizes_every_string_as_nanomind(exported):
