@@ -1,5 +1,5 @@
 """What several test files share: the demo data and the tiny models trained on it, tiny training runs and their
-metrics, the shipped tokenizer and data files, strings for tokenizer tests, serve.py in a subprocess."""
+metrics, nanomind's own tokenizer and data files, strings for tokenizer tests, serve.py in a subprocess."""
 import dataclasses
 import json
 import os
@@ -127,7 +127,7 @@ def run_script(*args, cwd=REPO):
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
-# --- the shipped tokenizer and data files ---------------------------------------------------------
+# --- nanomind's own tokenizer and data files -------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def tok():

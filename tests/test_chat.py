@@ -16,7 +16,7 @@ from token_cache import encode_dpo, encode_sft, tokenize_file
 from tokenizer import DEFAULT_DIR, load_tokenizer
 
 
-# --- [INST]: the shipped tokenizer ----------------------------------------------------------------
+# --- [INST]: nanomind's own tokenizer -----------------------------------------------------------
 
 def runs(ids, mask):
     """Split a sequence into maximal runs of equal mask value: [(mask value, ids)]."""

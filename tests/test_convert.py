@@ -96,9 +96,9 @@ def test_a_pth_without_qk_norm_asks_for_n_heads(tmp_path):
 
 
 @pytest.mark.parametrize("form", ["pth", "safetensors"])
-def test_weights_without_a_tokenizer_are_refused_not_given_the_shipped_one(form, tmp_path):
-    """The shipped tokenizer has MiniMind's vocabulary size: recorded for MiniMind's weights it would load and
-    chat in the wrong tokens. A .pth, or a folder without tokenizer.json, needs --tokenizer."""
+def test_weights_without_a_tokenizer_are_refused_not_given_the_default(form, tmp_path):
+    """Any tokenizer of MiniMind's vocabulary size would load with MiniMind's weights, and the wrong one would chat
+    in the wrong tokens: weights carry none, so a .pth, or a folder without tokenizer.json, needs --tokenizer."""
     src, flags = save_source(reference_model("minimind3"), "minimind3", form, tmp_path)
     with pytest.raises(ConfigError, match="holds no tokenizer.json: pass --tokenizer=DIR"):
         convert.main(["import", str(src), str(tmp_path / "imported.pt"), *flags])
