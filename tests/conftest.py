@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -62,6 +63,20 @@ def train_losses(out_dir) -> dict[int, float]:
 
 def final_weights(out_dir, step: int) -> dict[str, torch.Tensor]:
     return torch.load(os.path.join(out_dir, f"step_{step:07d}.pt"), weights_only=False)["model"]
+
+
+def assert_resumes_exactly(run, full, resumed, saved: int, last: int):
+    """run(out_dir, *flags) to step `last` in full, uninterrupted, and in resumed from a copy of full's step `saved`
+    checkpoint alone (as if the run had died right after it): the losses after `saved` and the last weights are
+    the same, bit for bit."""
+    run(full)
+    os.makedirs(resumed)
+    shutil.copy(os.path.join(full, f"step_{saved:07d}.pt"), resumed)
+    run(resumed, "--resume=True")
+    a, b = train_losses(full), train_losses(resumed)
+    assert set(b) == set(range(saved + 1, last + 1)) and all(a[s] == b[s] for s in b)
+    wa, wb = final_weights(full, last), final_weights(resumed, last)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,6 @@
 Distillation: the loss is the formula (KL by hand, zero for equal logits); alpha = 0 is exactly SFT's
 cross-entropy training; a teacher of another tokenizer or vocabulary is a one-line error; a run resumes exactly.
 """
-import os
-import shutil
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ import torch.nn.functional as F
 import train_distill
 import train_sft
 from checkpoint import load_checkpoint
-from conftest import TINY_CONTEXT, TINY_RUN, final_weights, read_metrics, train_losses
+from conftest import TINY_CONTEXT, TINY_RUN, assert_resumes_exactly, final_weights, read_metrics, train_losses
 from errors import ConfigError
 from train_distill import distill_loss
 
@@ -68,15 +66,9 @@ def test_a_teacher_of_another_tokenizer_or_vocabulary_is_an_error(tiny_pretraine
 
 
 def test_distillation_resumes_exactly_and_learns_from_the_teacher(tiny_pretrained, demo_dir, tmp_path):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    full = tmp_path / "full"
     flags = ["--max_steps=8", "--save_interval=4", "--keep_checkpoints=10", "--eval_interval=4", "--dropout=0.1"]
-    distill(demo_dir, full, tiny_pretrained, *flags)
-    os.makedirs(resumed)
-    shutil.copy(full / "step_0000004.pt", resumed)
-    distill(demo_dir, resumed, tiny_pretrained, *flags, "--resume=True")
-    a, b = train_losses(full), train_losses(resumed)
-    assert set(b) == set(range(5, 9)) and all(a[s] == b[s] for s in b)
-    wa, wb = final_weights(full, 8), final_weights(resumed, 8)
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_resumes_exactly(lambda out, *more: distill(demo_dir, out, tiny_pretrained, *flags, *more), full,
+                           tmp_path / "resumed", saved=4, last=8)
     val = [r["val_kl"] for r in read_metrics(full) if "val_kl" in r]
     assert val[0] > val[1] > val[2]  # the student moves towards the teacher (steps 0, 4, 8)

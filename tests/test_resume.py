@@ -14,8 +14,8 @@ import train_dpo
 import train_pretrain
 import train_sft
 from checkpoint import load_checkpoint
-from conftest import (REPO, TINY_MODEL, TINY_RUN, final_weights, lora_sft, pretrain, pretrain_short, read_metrics, sft,
-                      train_losses)
+from conftest import (REPO, TINY_MODEL, TINY_RUN, assert_resumes_exactly, final_weights, lora_sft, pretrain,
+                      pretrain_short, read_metrics, sft, train_losses)
 from errors import CheckpointError
 from metrics import measure_peak_flops
 
@@ -139,42 +139,22 @@ def test_a_resume_before_and_at_an_epoch_end_replaces_the_later_rows_exactly(sta
 # --- lost after its last checkpoint: pretraining, SFT, LoRA SFT, float16 --------------------------
 
 def test_resume_continues_exactly_as_an_uninterrupted_run(demo_dir, tmp_path):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    pretrain(demo_dir, full, "--max_steps=12", "--save_interval=5", "--keep_checkpoints=10", "--eval_interval=4")
-    os.makedirs(resumed)
-    shutil.copy(full / "step_0000005.pt", resumed)  # as if the run had died right after step 5
-    pretrain(demo_dir, resumed, "--max_steps=12", "--save_interval=5", "--keep_checkpoints=10", "--eval_interval=4",
-             "--resume=True")
-    a, b = train_losses(full), train_losses(resumed)
-    assert set(b) == set(range(6, 13)) and all(a[s] == b[s] for s in b)  # bit-identical after the resume point
-    wa, wb = final_weights(full, 12), final_weights(resumed, 12)
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    flags = ["--max_steps=12", "--save_interval=5", "--keep_checkpoints=10", "--eval_interval=4"]
+    assert_resumes_exactly(lambda out, *more: pretrain(demo_dir, out, *flags, *more), tmp_path / "full",
+                           tmp_path / "resumed", saved=5, last=12)
 
 
 def test_sft_resume_continues_exactly(tiny_pretrained, demo_dir, tmp_path):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
     flags = ["--max_steps=10", "--save_interval=4", "--keep_checkpoints=10", "--eval_interval=5"]
-    sft(tiny_pretrained, demo_dir, full, *flags)
-    os.makedirs(resumed)
-    shutil.copy(full / "step_0000004.pt", resumed)
-    sft(tiny_pretrained, demo_dir, resumed, *flags, "--resume=True")
-    a, b = train_losses(full), train_losses(resumed)
-    assert set(b) == set(range(5, 11)) and all(a[s] == b[s] for s in b)
-    wa, wb = final_weights(full, 10), final_weights(resumed, 10)
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_resumes_exactly(lambda out, *more: sft(tiny_pretrained, demo_dir, out, *flags, *more), tmp_path / "full",
+                           tmp_path / "resumed", saved=4, last=10)
 
 
 def test_lora_sft_resumes_exactly(tiny_pretrained, demo_dir, tmp_path):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    resumed = tmp_path / "resumed"
     flags = ["--max_steps=8", "--save_interval=4", "--keep_checkpoints=10", "--eval_interval=4", "--lora_dropout=0.1"]
-    lora_sft(tiny_pretrained, demo_dir, full, *flags)
-    os.makedirs(resumed)
-    shutil.copy(full / "step_0000004.pt", resumed)
-    lora_sft(tiny_pretrained, demo_dir, resumed, *flags, "--resume=True")
-    a, b = train_losses(full), train_losses(resumed)
-    assert set(b) == set(range(5, 9)) and all(a[s] == b[s] for s in b)
-    wa, wb = final_weights(full, 8), final_weights(resumed, 8)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_resumes_exactly(lambda out, *more: lora_sft(tiny_pretrained, demo_dir, out, *flags, *more),
+                           tmp_path / "full", resumed, saved=4, last=8)
     with pytest.raises(CheckpointError, match="LoRA checkpoint but this run is full"):  # lora_rank dropped
         train_sft.main([f"--init_from={tiny_pretrained}", f"--data_path={demo_dir}/sft.jsonl", f"--out_dir={resumed}",
                         *TINY_RUN, "--batch_size=8", "--max_seq_len=64", *flags, "--resume=True"])
