@@ -3,7 +3,6 @@ against transformers' apply_chat_template; each mask covers exactly what the ass
 import ast
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
