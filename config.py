@@ -75,10 +75,15 @@ class TrainConfig:
                 raise ConfigError(f"config key {key!r} must be at least 1, got {getattr(self, key)}")
         if not 0 < self.val_fraction < 1:
             raise ConfigError(f"config key 'val_fraction' must be between 0 and 1, got {self.val_fraction}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"config key 'dtype' must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
-            raise ConfigError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+        check_device_and_dtype(self.device, self.dtype)
+
+
+def check_device_and_dtype(device: str, dtype: str):
+    """The device and dtype keys every config has (training's and eval.py's)."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"config key 'dtype' must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", device):
+        raise ConfigError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {device!r}")
 
 
 @dataclasses.dataclass

@@ -31,13 +31,13 @@ import torch
 
 from chat import encode_chat
 from checkpoint import load_model
-from config import load_config
+from config import check_device_and_dtype, load_config
 from data import Loader, PretrainData, pad_rows
 from engine import Sampling, complete
 from errors import BadRecord, ConfigError, DataError, cli
 from losses import count_token_bytes, lm_totals, sequence_logprobs
 from metrics import parse_row
-from runtime import DTYPES, setup
+from runtime import setup
 from token_cache import parse_line, tokenize_file
 
 
@@ -55,10 +55,7 @@ class EvalConfig:
     seed: int = 1337  # sampling with temperature > 0
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"config key 'dtype' must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
-            raise ConfigError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+        check_device_and_dtype(self.device, self.dtype)
         if self.batch_size < 1:
             raise ConfigError(f"config key 'batch_size' must be at least 1, got {self.batch_size}")
 
