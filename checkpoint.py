@@ -8,6 +8,7 @@ Checkpoints: what a run saves and how anything loads it back.
   finetune_model     SFT's and DPO's starting model, with this run's switches (and LoRA adapters)
 """
 import dataclasses
+import functools
 import glob
 import os
 import random
@@ -233,12 +234,17 @@ def model_from_checkpoint(path: str, device="cpu", **overrides):
     return model.to(device), state
 
 
+@functools.cache
+def nanomind_fingerprint() -> str:
+    return load_tokenizer(NANOMIND_DIR).fingerprint
+
+
 def trained_tokenizer_path(state: dict) -> str | None:
     """The tokenizer_path a checkpoint's run used, None meaning the default. A run that named none used the default
     of its day: MiniMind's now, nanomind's own before (told apart by the recorded fingerprint; a checkpoint older
     than the record is of nanomind's days)."""
     path, recorded = state.get("config", {}).get("tokenizer_path"), state.get("tokenizer")
-    if path is None and (not recorded or recorded["fingerprint"] == load_tokenizer(NANOMIND_DIR).fingerprint):
+    if path is None and (not recorded or recorded["fingerprint"] == nanomind_fingerprint()):
         return str(NANOMIND_DIR)
     return path
 
