@@ -188,6 +188,7 @@ def export_gguf(state: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer, fil
     metadata = model_metadata(cfg, dtype, name) | tokenizer_metadata(
         files["tokenizer.json"], files["tokenizer_config.json"], tokenizer, cfg.vocab_size, where)
     tmp = out.with_name(out.name + ".tmp")  # written beside OUT, then renamed: an error leaves OUT as it was
+    out.parent.mkdir(parents=True, exist_ok=True)  # as a folder export makes its folder
     try:
         write_gguf(tmp, metadata, gguf_tensors(state, cfg, dtype))
         tmp.replace(out)

@@ -124,6 +124,8 @@ def test_an_existing_gguf_is_replaced_only_with_force(tmp_path):
     assert out.read_bytes() == b"keep"
     convert.main(["export", str(ckpt), str(out), "--force", "--dtype=float16"])
     assert Path(out).read_bytes()[:4] == b"GGUF"
+    convert.main(["export", str(ckpt), str(tmp_path / "new" / "model.gguf")])  # its folder made, as a folder export's
+    assert (tmp_path / "new" / "model.gguf").read_bytes()[:4] == b"GGUF"
 
 
 @pytest.mark.parametrize("dtype, tolerance", [("float16", 2e-3), ("bfloat16", 0.1)])
