@@ -116,25 +116,27 @@ class Checkpoints:
 
 
 class EarlyStopping:
-    """Tracks the best validation loss; with a patience, says when to stop (that many evaluations in a row
-    without an improvement of more than threshold)."""
+    """Tracks the best validation loss (or another metric; maximize: higher is better, as a reward); with a
+    patience, says when to stop (that many evaluations in a row without an improvement of more than threshold)."""
 
-    def __init__(self, patience: int | None = None, threshold: float = 0.0):
-        self.patience, self.threshold = patience, threshold
-        self.best, self.stale = float("inf"), 0
+    def __init__(self, patience: int | None = None, threshold: float = 0.0, metric: str = "val_loss",
+                 maximize: bool = False):
+        self.patience, self.threshold, self.metric = patience, threshold, metric
+        self.sign = -1.0 if maximize else 1.0  # compare sign * value: lower is better
+        self.best, self.stale = self.sign * float("inf"), 0
 
-    def update(self, val_loss: float) -> bool:
+    def update(self, value: float) -> bool:
         """Record an evaluation; True when it is a new best."""
-        self.stale = 0 if val_loss < self.best - self.threshold else self.stale + 1
-        improved = val_loss < self.best
-        self.best = min(self.best, val_loss)
+        self.stale = 0 if self.sign * value < self.sign * self.best - self.threshold else self.stale + 1
+        improved = self.sign * value < self.sign * self.best
+        self.best = value if improved else self.best
         return improved
 
     @property
     def should_stop(self) -> bool:
         if self.patience is not None and self.stale >= self.patience:
             print0(f"early stopping: {self.stale} evaluations without an improvement of {self.threshold}; "
-                   f"best val_loss {self.best:.4f}")
+                   f"best {self.metric} {self.best:.4f}")
             return True
         return False
 
@@ -227,6 +229,9 @@ def model_from_checkpoint(path: str, device="cpu", **overrides):
     dropout -- and its weights, loaded strictly; the checkpoint itself). A LoRA checkpoint's adapters come
     merged onto its base, so that every caller (sampling, evaluation, export, fine-tuning) takes it as it is."""
     state = load_checkpoint(path)
+    if state.get("stage") == "reward":
+        raise CheckpointError(f"{path} is a reward model (train_reward.py), not a language model: it scores answers "
+                              f"(reward_model.load_reward_model, eval.py pairs) and cannot generate or fine-tune")
     if "lora" in state:
         return merge_lora(lora_model(state, path, **overrides)).to(device), state
     model = Transformer(ModelConfig(**{**state["model_config"], **overrides}))
@@ -260,6 +265,12 @@ def checkpoint_tokenizer(state: dict, tokenizer_path: str | None = None):
                              f"({trained_tokenizer_path(state) or 'the default'}, {recorded['chat_template']} chat "
                              "template)")
     return tokenizer
+
+
+def frozen_model(path: str, device, flash: bool | None):
+    """A reference model (DPO's, RL's KL): eval mode, no gradients, so the optimizer never sees it. It takes the
+    policy's attention path (not the one saved in the checkpoint), so at step 0 policy and reference agree exactly."""
+    return model_from_checkpoint(path, device, flash=flash)[0].eval().requires_grad_(False)
 
 
 def load_model(path: str, device="cpu", tokenizer_path: str | None = None):

@@ -4,7 +4,7 @@ lines <- --key=value flags. An unknown key or a wrong type is a ConfigError that
 from; --help lists every key with its default and its comment.
 
   TrainConfig      the keys every stage has; PretrainConfig and DistillConfig add theirs
-  FinetuneConfig   SFT and DPO: start from a checkpoint (init_from); SFTConfig, DPOConfig
+  FinetuneConfig   SFT, DPO and RL: start from a checkpoint (init_from); SFTConfig, DPOConfig, GRPOConfig
   load_config      argv -> one instance of each dataclass asked for (a script's and model.ModelConfig)
 """
 import ast
@@ -181,6 +181,101 @@ class DPOConfig(FinetuneConfig):
             raise ConfigError(f"max_prompt_length + max_completion_length = {prompt + completion} exceeds the "
                               f"model's max_seq_len + 1 = {max_seq_len + 1} ({self.init_from})")
         return dataclasses.replace(self, max_prompt_length=prompt, max_completion_length=completion)
+
+
+@dataclasses.dataclass
+class RewardConfig(FinetuneConfig):
+    # --- I/O
+    out_dir: str = "out/reward"
+    init_from: str = "out/sft/best.pt"  # the body starts here; the score head starts at zero
+    # --- data
+    data_path: str = "data/dpo.jsonl"  # train_dpo.py's preference pairs; or a glob / comma list
+    max_prompt_length: int | None = None  # longer prompts lose their beginning; None: half of max_seq_len
+    max_completion_length: int | None = None  # longer answers lose their end; None: the rest of max_seq_len
+    # --- training length
+    batch_size: int = 16  # pairs per rank; each step runs 2 x batch_size sequences
+    epochs: int = 1  # reward models overfit their pairs after one pass (Ouyang et al. 2022 train one epoch)
+    # --- optimizer: AdamW, weight decay on matrices only
+    lr: float = 1e-5  # InstructGPT's 6B reward model took 9e-6: the body keeps what SFT taught it
+    min_lr: float = 1e-6
+    weight_decay: float = 0.0
+    # --- schedule: linear warmup to lr, cosine decay to min_lr, stepped once per optimizer step
+    warmup_steps: int = 0
+    warmup_ratio: float | None = 0.03
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.lora_rank:  # a LoRA checkpoint saves its adapters only: the score head would be lost
+            raise ConfigError(f"config key 'lora_rank' must be 0: train_reward.py trains the whole model, got "
+                              f"{self.lora_rank}")
+
+    def fit_lengths(self, max_seq_len: int) -> "RewardConfig":
+        """This config with max_prompt_length and max_completion_length as set, or splitting the model's
+        max_seq_len (init_from's): the reward model reads a pair's rows whole, their last token too."""
+        prompt = self.max_prompt_length or max_seq_len // 2
+        completion = self.max_completion_length or max_seq_len - prompt
+        if prompt + completion > max_seq_len:
+            raise ConfigError(f"max_prompt_length + max_completion_length = {prompt + completion} exceeds the "
+                              f"model's max_seq_len = {max_seq_len} ({self.init_from})")
+        return dataclasses.replace(self, max_prompt_length=prompt, max_completion_length=completion)
+
+
+@dataclasses.dataclass
+class GRPOConfig(FinetuneConfig):
+    # --- I/O
+    out_dir: str = "out/grpo"
+    init_from: str = "out/sft/best.pt"  # the policy starts here; it is also the KL's reference
+    # --- data
+    data_path: str = "data/rlaif.jsonl"  # JSONL {"conversations": [...], "answer" or "gt"}; or a glob / comma list
+    max_prompt_length: int | None = None  # longer prompts lose their earliest turns; None: max_seq_len - max_new_tokens
+    # --- rollouts: each prompt's group of completions, sampled together
+    group_size: int = 6  # completions per prompt (MiniMind's num_generations)
+    temperature: float = 0.8
+    top_p: float = 1.0
+    max_new_tokens: int = 256  # a completion that has not ended by then is cut, and scored as it is
+    # --- rewards
+    reward: str = "answer"  # comma-separated, summed: answer | length | format | repetition | module:function | none
+    reward_model: str | None = None  # a train_reward.py checkpoint: its score is added to the rewards
+    # --- the loss (grpo.py)
+    loss_type: str = "cispo"  # cispo (MiniMind's default) | grpo (PPO's clipped ratio)
+    clip_eps: float = 0.2  # grpo: the ratio is clipped to [1 - clip_eps, 1 + clip_eps]
+    clip_high: float = 5.0  # cispo: the importance weight's cap (MiniMind's epsilon_high)
+    beta: float = 0.1  # weight of the KL to the reference (k3); 0: no reference is loaded
+    ppo_epochs: int = 1  # optimizer steps on each batch of rollouts
+    # --- training length
+    batch_size: int = 8  # prompts per rank and micro-batch; each step trains on batch_size x group_size completions
+    epochs: int = 1
+    # --- optimizer: AdamW, weight decay on matrices only
+    lr: float = 1e-6
+    min_lr: float = 1e-7
+    weight_decay: float = 0.0
+    # --- schedule: linear warmup to lr, cosine decay to min_lr, stepped once per rollout batch
+    warmup_steps: int = 10
+    # --- logging, evaluation, checkpoints
+    eval_interval: int = 50  # val_reward of greedy completions of held-out prompts (best.pt); also at step 0
+    eval_steps: int = 8  # validation batches of batch_size prompts per evaluation
+    save_interval: int = 100
+    early_stopping_patience: int = 10  # in evaluations without a higher val_reward
+
+    def __post_init__(self):
+        super().__post_init__()
+        for key, ok, rule in [
+                ("loss_type", self.loss_type in ("grpo", "cispo"), "grpo or cispo"),
+                ("group_size", self.group_size >= 2, "at least 2 (a group of one has no advantage)"),
+                ("temperature", self.temperature > 0, "above 0 (greedy completions of a prompt are all alike)"),
+                ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("max_new_tokens", self.max_new_tokens >= 1, "at least 1"),
+                ("clip_eps", 0 < self.clip_eps < 1, "in (0, 1)"), ("clip_high", self.clip_high >= 1, "at least 1"),
+                ("beta", self.beta >= 0, "0 or more"), ("ppo_epochs", self.ppo_epochs >= 1, "at least 1")]:
+            if not ok:
+                raise ConfigError(f"config key {key!r} must be {rule}, got {getattr(self, key)!r}")
+
+    def fit_lengths(self, max_seq_len: int) -> "GRPOConfig":
+        """This config with max_prompt_length set: what the model's max_seq_len leaves beside max_new_tokens."""
+        prompt = self.max_prompt_length or max_seq_len - self.max_new_tokens
+        if prompt < 1 or prompt + self.max_new_tokens > max_seq_len:
+            raise ConfigError(f"max_prompt_length + max_new_tokens = {prompt} + {self.max_new_tokens} must fit in the "
+                              f"model's max_seq_len = {max_seq_len} ({self.init_from})")
+        return dataclasses.replace(self, max_prompt_length=prompt)
 
 
 @dataclasses.dataclass

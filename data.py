@@ -6,14 +6,18 @@ The batches the training scripts consume: (X, Y, loss_mask, item indices) on the
   DPOData        one preference pair per item: prompt + chosen, prompt + rejected
   Loader         batches in a seeded order, split over ranks, resumable; padded to the batch's longest row
   pretrain_loaders, sft_loaders, dpo_loaders   a stage's training and validation loaders from its config
+  Prompt, read_prompts, prompt_loaders         RL's prompts (train_grpo.py): item indices, in the same order
 """
 import bisect
+import dataclasses
+from collections import Counter
 
 import numpy as np
 import torch
 
-from errors import DataError
-from token_cache import Records, load_split
+from chat import encode_chat
+from errors import BadRecord, DataError
+from token_cache import Records, expand_paths, load_split, parse_line, text_lines
 
 
 # -----------------------------------------------------------------------------
@@ -171,3 +175,85 @@ def dpo_loaders(cfg, tokenizer, run) -> tuple[Loader, Loader]:
     """Preference pairs, prompts and answers cut to cfg's max_prompt_length and max_completion_length."""
     return stage_loaders(cfg, tokenizer, run, "dpo", DPOData, "pairs", max_prompt_length=cfg.max_prompt_length,
                          max_completion_length=cfg.max_completion_length, skip_bad=cfg.skip_bad)
+
+
+# -----------------------------------------------------------------------------
+# RL's prompts: few and small, read into memory whole, each with the record a reward function may look at
+
+@dataclasses.dataclass
+class Prompt:
+    ids: list[int]  # the messages in the chat template, ending with its generation prompt
+    messages: list[dict]  # the conversation up to its last user turn
+    record: dict  # the whole JSONL record: its "answer" (or "gt") is what a checkable reward compares against
+    where: str  # file:line, for errors
+
+
+def read_prompts(data_path: str, tokenizer, max_prompt_length: int, need_reference: bool = False,
+                 skip_bad: bool = False, verbose: bool = True) -> list[Prompt]:
+    """JSONL {"conversations": [...], "answer" or "gt"} -> a Prompt per record, in file order. The prompt is the
+    messages up to the last user turn (MiniMind's rlaif.jsonl ends each with an empty assistant turn); longer than
+    max_prompt_length tokens, it loses its earliest turns. A bad record raises BadRecord naming file:line, or with
+    skip_bad is skipped and counted."""
+    prompts = []
+    for path in expand_paths(data_path):
+        with open(path, "rb") as f:
+            lines = text_lines(f.read())
+        before, skipped = len(prompts), Counter()
+        for lineno, line in enumerate(lines, 1):
+            try:
+                record = parse_line(line)
+                if record is not None:
+                    prompts.append(prompt_of(record, tokenizer, max_prompt_length, need_reference, f"{path}:{lineno}"))
+            except BadRecord as e:
+                if not skip_bad:
+                    raise BadRecord(f"{path}:{lineno}: {e}") from None
+                skipped[str(e)] += 1
+        if verbose:
+            print(f"{path}: {len(prompts) - before:,} prompts"
+                  + "".join(f"; skipped {n} x {why}" for why, n in skipped.items()))
+    if not prompts:
+        raise DataError(f"{data_path}: no prompts")
+    return prompts
+
+
+def prompt_of(record: dict, tokenizer, max_prompt_length: int, need_reference: bool, where: str) -> Prompt:
+    conversations = record.get("conversations")
+    if not isinstance(conversations, list) or not conversations:
+        raise BadRecord("missing field 'conversations' (a list of messages)")
+    users = [i for i, m in enumerate(conversations) if isinstance(m, dict) and m.get("role") == "user"]
+    if not users:
+        raise BadRecord("no user message: the prompt is the conversation up to its last user turn")
+    messages = conversations[: users[-1] + 1]
+    if need_reference and record.get("answer", record.get("gt")) is None:
+        raise BadRecord("missing field 'answer' (or MiniMind's 'gt'): reward=answer compares the completion with it")
+    head = messages[:1] if messages[0].get("role") == "system" else []
+    last_turn, _ = encode_chat(tokenizer, head + messages[-1:], record.get("system"))
+    if len(last_turn) > max_prompt_length:
+        raise BadRecord(f"the last user turn alone is {len(last_turn)} tokens, more than max_prompt_length="
+                        f"{max_prompt_length}")
+    ids, _ = encode_chat(tokenizer, messages, record.get("system"), max_len=max_prompt_length)
+    return Prompt(ids, messages, record, where)
+
+
+class PromptLoader(Loader):
+    """Loader's seeded, resumable, rank-split order over prompts; a batch is the item indices themselves."""
+
+    def batch(self, indices):
+        return [int(i) for i in indices]
+
+
+def prompt_loaders(cfg, tokenizer, run, need_reference: bool) -> tuple[PromptLoader, PromptLoader]:
+    """Training and validation prompts: val_data_path's, else the last val_fraction of data_path's."""
+    read = lambda path: read_prompts(path, tokenizer, cfg.max_prompt_length, need_reference, cfg.skip_bad,  # noqa: E731
+                                     verbose=run.master)
+    prompts = read(cfg.data_path)
+    if cfg.val_data_path:
+        train, val = prompts, read(cfg.val_data_path)
+    else:
+        n_val = max(1, round(len(prompts) * cfg.val_fraction))
+        if n_val >= len(prompts):
+            raise DataError(f"{cfg.data_path}: {len(prompts)} prompts are too few to hold out {n_val} for validation")
+        train, val = prompts[:-n_val], prompts[-n_val:]
+    args = dict(pad_id=tokenizer.pad_id, seed=cfg.seed, rank=run.rank, world_size=run.world_size)
+    return (PromptLoader(train, cfg.batch_size, name="training prompts", **args),
+            PromptLoader(val, cfg.batch_size, name="validation prompts", **args))

@@ -271,6 +271,18 @@ def dpo_pair(rng, countries, pairs, as_messages: bool) -> dict:
     return {"prompt": question, "chosen": chosen, "rejected": rejected}
 
 
+# RL's task (train_grpo.py): doubling, which no SFT conversation asks for. Pretraining's sums include every a + a,
+# so the SFT model sometimes answers "What is double 7?" with "7 + 7 = 14." and sometimes with another sum
+DOUBLE_Q = ["What is double {a}?", "What is twice {a}?", "Double {a}.", "What is {a} doubled?", "What is {a} times 2?",
+            "{a}的两倍是多少？", "{a}乘以2等于多少？", "请把{a}翻倍。"]
+
+
+def double_prompts(numbers) -> list[dict]:
+    """Every doubling question about the numbers, as RL prompts: {"conversations": [user], "answer": 2a}."""
+    return [{"conversations": [{"role": "user", "content": q.format(a=a)}], "answer": str(2 * a)}
+            for a in numbers for q in DOUBLE_Q]
+
+
 def write_jsonl(path, records):
     with open(path, "w", encoding="utf-8") as f:
         for r in records:

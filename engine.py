@@ -7,6 +7,7 @@ Generation, written once: sample.py, serve.py, eval.py, eval_demo.py and bench.p
                 forward for prompts of one length; a prompt may start several rows, a group of completions),
                 step() decodes one token for every row, and rows that are done leave the batch
   generate      prompts -> their rows, decoded together to the end (the plain use of an Engine)
+  decode        rows of any prompt lengths, decoded together to their ends (RL's groups of completions)
   TextStream    a row's ids -> the text it may show so far: whole UTF-8 characters, never half a stop string
   prompt_ids    messages in the chat template, or a text to continue -> the ids to generate from
 
@@ -121,6 +122,7 @@ class Row:
         self.tokens: list[int] = []  # generated so far, its eos_id included
         self.finish_reason: str | None = None  # "stop" (eos_id), "length" (max_new), "error", or the caller's own
         self.error: Exception | None = None
+        self.number: int | None = None  # set by the engine: the order rows were added in
 
     @property
     def done(self) -> bool:
@@ -158,6 +160,7 @@ class Engine:
         self.device = next(model.parameters()).device
         self.caches = [KVCache(max_batch, self.max_len) for _ in model.layers] if use_cache else None
         self.rows: list[Row] = []  # row i of the caches holds rows[i]
+        self.added = 0  # rows added so far: a row's number orders the draws of its Sampling
 
     @torch.no_grad()
     def add(self, rows: list[Row]):
@@ -181,6 +184,8 @@ class Engine:
             for r, p in enumerate(source):
                 for cache, prefilled in zip(self.caches, own):
                     cache.copy_row(len(self.rows) + r, prefilled, p, T)
+        for row in rows:
+            row.number, self.added = self.added, self.added + 1
         self.rows += rows
         self.sample(rows, logits[source, -1])
         self.drop_done()
@@ -204,10 +209,12 @@ class Engine:
 
     def sample(self, rows: list[Row], logits):
         """Each row's next token from its logits (n, V): the rows that share a Sampling in one call, so a sampling
-        that fails fails its own rows alone; then one host sync for all the tokens."""
+        that fails fails its own rows alone; then one host sync for all the tokens. A Sampling's rows draw in the
+        order they were added, not in their batch places (which change as other rows finish): a seeded group of
+        rows samples the same tokens whatever else is in the batch."""
         groups: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            groups.setdefault(id(row.sampling), []).append(i)
+        for i in sorted(range(len(rows)), key=lambda i: rows[i].number):
+            groups.setdefault(id(rows[i].sampling), []).append(i)
         picked = []  # (row indices, their tokens (k,) on the device)
         for indices in groups.values():
             s = rows[indices[0]].sampling
@@ -269,6 +276,24 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
         engine.step()
 
 
+def decode(model, rows: list[Row]) -> list[Row]:
+    """Decode rows whose prompts may differ in length together to their ends: one prefill per prompt length (a
+    prompt that several rows share, once), then one token a step for every row, each at its own position. RL's
+    rollouts: a group of rows per prompt. A failed row raises its error."""
+    engine = Engine(model, len(rows), max(len(row.prompt) + row.max_new for row in rows))
+    by_length: dict[int, list[Row]] = {}
+    for row in rows:
+        by_length.setdefault(len(row.prompt), []).append(row)
+    for same_length in by_length.values():
+        engine.add(same_length)
+    while engine.rows:
+        engine.step()
+    for row in rows:
+        if row.error is not None:
+            raise row.error
+    return rows
+
+
 def complete(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = GREEDY,
              batch_size: int = 64) -> list[str]:
     """The text of each prompt's completion up to its end of turn (eos), without the template's surrounding
@@ -285,9 +310,13 @@ def complete(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sa
             for rows in generate(model, [prompts[i] for i in chunk], new, sampling, tokenizer.eos_id):
                 pass
             for i, row in zip(chunk, rows):
-                ids = row.tokens[:-1] if row.finish_reason == "stop" else row.tokens
-                texts[i] = tokenizer.decode(ids).strip()
+                texts[i] = answer_text(tokenizer, row)
     return texts
+
+
+def answer_text(tokenizer, row: Row) -> str:
+    """A finished row's text without its end of turn (eos) and without the template's surrounding spaces."""
+    return tokenizer.decode(row.tokens[:-1] if row.finish_reason == "stop" else row.tokens).strip()
 
 
 # -----------------------------------------------------------------------------

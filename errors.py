@@ -31,6 +31,10 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be read, or does not fit the model or run it is loaded into."""
 
 
+class RewardError(UserError, RuntimeError):
+    """A reward function that raised or returned something other than a finite number, on a named record."""
+
+
 class NonFiniteError(UserError, RuntimeError):
     """A run that diverged: too many non-finite steps in a row, or non-finite weights to save."""
 

@@ -1,9 +1,11 @@
 """
-How good is a checkpoint? Three evaluations; each prints its figures and adds them to a report.
+How good is a checkpoint? Five evaluations; each prints its figures and adds them to a report.
 
     python eval.py bpb --ckpt=out/pretrain/best.pt --data_path=data/pretrain_val.jsonl
     python eval.py sft --ckpt=out/sft/best.pt --data_path=data/sft_val.jsonl --max_records=200
     python eval.py choice --ckpt=out/sft/best.pt --task=ceval --data_dir=data/ceval-exam --shots=5
+    python eval.py pairs --ckpt=out/reward/best.pt --data_path=data/dpo_eval.jsonl
+    python eval.py pass --ckpt=out/grpo/best.pt --data_path=data/rl_val.jsonl --k=8
     python eval.py sft --help                                # every key of a sub-command, its default and meaning
 
 bpb     bits per byte of a pretraining-format file: the summed cross-entropy in bits over the UTF-8 bytes of the
@@ -11,6 +13,9 @@ bpb     bits per byte of a pretraining-format file: the summed cross-entropy in 
 sft     held-out conversations: perplexity of the assistant tokens (the training loss), the model's answer to each
         last user turn scored against the reference (BLEU-4, ROUGE-L F1, exact match), samples kept in full.
 choice  multiple-choice accuracy on C-Eval, CMMLU, MMLU or ARC files as their projects distribute them.
+pairs   a reward model (train_reward.py) on preference pairs: how often the chosen answer scores higher.
+pass    RL prompts with reference answers (train_grpo.py's): pass@1 of greedy answers, pass@1 and pass@k of k
+        sampled ones (the final answer, its last number when the reference is one, equal to the reference).
 
 BLEU and ROUGE count Chinese characters one by one and other text word by word, punctuation split off.
 Each run writes report.json and report.md into the checkpoint's directory (or --out): its figures, the sections
@@ -30,13 +35,16 @@ import numpy as np
 import torch
 
 from chat import encode_chat
-from checkpoint import load_model
+from checkpoint import checkpoint_tokenizer, load_model
 from config import check_device_and_dtype, load_config
-from data import Loader, PretrainData, pad_rows
+from data import Loader, PretrainData, pad_rows, read_prompts
 from engine import Sampling, complete
 from errors import BadRecord, ConfigError, DataError, cli
+from grpo import completion_texts, prompt_seed, rollout
 from losses import count_token_bytes, lm_totals, sequence_logprobs
 from metrics import parse_row
+from rewards import answer_reward, reference
+from reward_model import bradley_terry_loss, reward_model_from_checkpoint, score_ids
 from runtime import setup
 from token_cache import parse_line, tokenize_file
 
@@ -433,6 +441,114 @@ def choice_table(results: dict) -> str:
 
 
 # -----------------------------------------------------------------------------
+# pass: how often a completion's final answer is the reference (RL's prompts, reward=answer)
+
+@dataclasses.dataclass
+class PassConfig(EvalConfig):
+    # --- data
+    data_path: str = "data/rl_val.jsonl"  # train_grpo.py's prompts: {"conversations", "answer" or "gt"}, held out
+    max_records: int | None = None  # the first this many prompts; None: all
+    # --- generation
+    k: int = 8  # sampled completions per prompt: pass@1 and pass@k are estimated from them
+    temperature: float = 1.0  # of the sampled completions (pass@1 greedy is also reported)
+    max_new_tokens: int = 256
+    samples: int = 5  # prompts whose greedy answer is kept in full
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.k < 1 or self.max_new_tokens < 1 or self.temperature <= 0:
+            raise ConfigError(f"config keys 'k' and 'max_new_tokens' must be at least 1 and 'temperature' above 0, got "
+                              f"{self.k}, {self.max_new_tokens}, {self.temperature}")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The chance that at least one of k completions drawn from n, c of them right, is right (Chen et al. 2021's
+    unbiased estimator): 1 - C(n - c, k) / C(n, k)."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def eval_pass(cfg: PassConfig) -> tuple[dict, dict]:
+    model, tokenizer, state, run = load(cfg)
+    prompts = read_prompts(cfg.data_path, tokenizer, model.config.max_seq_len - cfg.max_new_tokens,
+                           need_reference=True, verbose=False)[: cfg.max_records]
+    greedy, correct = [], []  # greedy: (text, right?) per prompt; correct: right sampled completions per prompt
+    for start in range(0, len(prompts), cfg.batch_size):
+        chunk = prompts[start : start + cfg.batch_size]
+        ids, seeds = [p.ids for p in chunk], [prompt_seed(cfg.seed, 0, start + i) for i in range(len(chunk))]
+        with run.autocast():
+            rows = rollout(model, ids, None, 1, cfg.max_new_tokens, tokenizer.eos_id)
+            sampled = rollout(model, ids, seeds, cfg.k, cfg.max_new_tokens, tokenizer.eos_id, cfg.temperature)
+        texts = completion_texts(tokenizer, sampled)
+        for i, (p, text) in enumerate(zip(chunk, completion_texts(tokenizer, rows))):
+            greedy.append((text, answer_reward(text, reference(p.record))))
+            correct.append(sum(answer_reward(t, reference(p.record)) for t in texts[i * cfg.k : (i + 1) * cfg.k]))
+    n = len(prompts)
+    result = {"data_path": cfg.data_path, "prompts": n, "k": cfg.k, "temperature": cfg.temperature,
+              "max_new_tokens": cfg.max_new_tokens, "greedy_pass1": sum(right for _, right in greedy) / n,
+              "pass1": sum(pass_at_k(cfg.k, int(c), 1) for c in correct) / n,
+              "passk": sum(pass_at_k(cfg.k, int(c), cfg.k) for c in correct) / n,
+              "samples": [{"line": p.where.rsplit(":", 1)[1], "prompt": p.messages[-1]["content"],
+                           "reference": reference(p.record), "answer": text}
+                          for p, (text, _) in list(zip(prompts, greedy))[: cfg.samples]]}
+    print(f"{cfg.data_path}, {n} prompts: pass@1 greedy {result['greedy_pass1']:.1%} | sampled at temperature "
+          f"{cfg.temperature}: pass@1 {result['pass1']:.1%}, pass@{cfg.k} {result['passk']:.1%}")
+    return result, state
+
+
+def render_pass(s: dict) -> list[str]:
+    md = ["## Final answers (pass@k)", "", f"On the {s['prompts']} prompts of `{s['data_path']}`: does the completion's "
+          f"final answer (its last number, when the reference is one) equal the reference? At most "
+          f"{s['max_new_tokens']} new tokens; {s['k']} sampled completions per prompt at temperature {s['temperature']}.",
+          "", "| metric | value |", "|---|---:|", f"| pass@1, greedy | {s['greedy_pass1']:.1%} |",
+          f"| pass@1, sampled | {s['pass1']:.1%} |", f"| pass@{s['k']}, sampled | {s['passk']:.1%} |", "",
+          "| # | prompt | reference | greedy answer |", "|---|---|---|---|"]
+    return md + [f"| {x['line']} | {cell(x['prompt'])} | {cell(x['reference'])} | {cell(x['answer'])} |"
+                 for x in s["samples"]]
+
+
+# -----------------------------------------------------------------------------
+# pairs: how often a reward model (train_reward.py) scores a pair's chosen answer above its rejected one
+
+@dataclasses.dataclass
+class PairsConfig(EvalConfig):
+    # --- I/O
+    ckpt: str = "out/reward/best.pt"  # a reward model, written by train_reward.py
+    # --- data
+    data_path: str = "data/dpo_eval.jsonl"  # preference pairs as train_dpo.py reads them, held out from training
+    max_records: int | None = None  # the first this many pairs; None: all
+
+
+def eval_pairs(cfg: PairsConfig) -> tuple[dict, dict]:
+    run = setup(cfg.device, cfg.dtype, cfg.seed)
+    model, state = reward_model_from_checkpoint(cfg.ckpt, run.device)
+    tokenizer = checkpoint_tokenizer(state, cfg.tokenizer_path)
+    lengths = {k: state["config"][k] for k in ("max_prompt_length", "max_completion_length")}
+    records = tokenize_file(cfg.data_path, tokenizer, "dpo", **lengths)  # rendered and cut as in training
+    pairs = [records[i] for i in range(min(len(records), cfg.max_records or len(records)))]
+    if not pairs:
+        raise DataError(f"{cfg.data_path}: no pairs")
+    chosen = [np.concatenate([prompt, answer]).tolist() for prompt, answer, _ in pairs]
+    rejected = [np.concatenate([prompt, answer]).tolist() for prompt, _, answer in pairs]
+    with run.autocast():
+        rewards = torch.tensor(score_ids(model.eval(), chosen + rejected, tokenizer.pad_id, cfg.batch_size))
+    loss, metrics = bradley_terry_loss(*rewards.view(2, -1))
+    result = {"data_path": cfg.data_path, "pairs": len(pairs), "loss": loss.item()} | \
+        {k: v.item() for k, v in metrics.items()}
+    print(f"{cfg.data_path}, {len(pairs)} pairs: the chosen answer scores higher in {result['pair_acc']:.1%} | mean "
+          f"margin {result['reward_margin']:.3f} | Bradley-Terry loss {result['loss']:.4f}")
+    return result, state
+
+
+def render_pairs(s: dict) -> list[str]:
+    return ["## Preference pairs", "", f"The reward model scores the chosen answer above the rejected one in "
+            f"**{s['pair_acc']:.1%}** of the {s['pairs']} pairs of `{s['data_path']}`.", "",
+            "| metric | value |", "|---|---:|", f"| pair accuracy | {s['pair_acc']:.1%} |",
+            f"| mean margin, r_chosen - r_rejected | {s['reward_margin']:.3f} |",
+            f"| mean reward, chosen / rejected | {s['chosen_reward']:.3f} / {s['rejected_reward']:.3f} |",
+            f"| Bradley-Terry loss, -log sigmoid(margin) | {s['loss']:.4f} |"]
+
+
+# -----------------------------------------------------------------------------
 # the report: report.json (every figure) and report.md (for a person), beside the checkpoint
 
 def training_summary(state: dict, metrics_path: str) -> dict:
@@ -441,7 +557,7 @@ def training_summary(state: dict, metrics_path: str) -> dict:
     ranks = len(state.get("rng", [None]))  # one RNG state per rank
     per_step = cfg["batch_size"] * cfg["accum_steps"] * ranks
     seen = ({"tokens": step * per_step * state["model_config"]["max_seq_len"]} if stage == "pretrain"
-            else {"pairs" if stage == "dpo" else "conversations": step * per_step})
+            else {{"dpo": "pairs", "reward": "pairs", "grpo": "prompts"}.get(stage, "conversations"): step * per_step})
     summary = {"stage": stage, "checkpoint_step": step, "ranks": ranks} | seen
     if not os.path.exists(metrics_path):
         return summary | {"metrics": f"no {metrics_path}"}
@@ -495,7 +611,7 @@ def atomic_write(path: str, text: str):
 
 def render(report: dict) -> str:
     t = report["training"]
-    seen = next(f"{t[k]:,} {k}" for k in ("tokens", "conversations", "pairs") if k in t)
+    seen = next(f"{t[k]:,} {k}" for k in ("tokens", "conversations", "pairs", "prompts") if k in t)
     here = os.path.relpath(report["checkpoint"])
     md = [f"# {report['checkpoint'] if here.startswith('..') else here}", "",
           f"{report['stage']} checkpoint at step {report['step']} ({seen} seen, {t['ranks']} rank(s))"
@@ -556,8 +672,9 @@ def render_choice(s: dict) -> list[str]:
     return md
 
 
-RENDER = {"bpb": render_bpb, "sft": render_sft, "choice": render_choice}
-COMMANDS = {"bpb": (BpbConfig, eval_bpb), "sft": (SFTConfig, eval_sft), "choice": (ChoiceConfig, eval_choice)}
+RENDER = {"bpb": render_bpb, "sft": render_sft, "choice": render_choice, "pairs": render_pairs, "pass": render_pass}
+COMMANDS = {"bpb": (BpbConfig, eval_bpb), "sft": (SFTConfig, eval_sft), "choice": (ChoiceConfig, eval_choice),
+            "pairs": (PairsConfig, eval_pairs), "pass": (PassConfig, eval_pass)}
 
 
 def main(argv: list[str]):

@@ -50,13 +50,14 @@ class StepTimer:
 
     PHASES = ("data", "forward", "backward", "optimizer")
 
-    def __init__(self, run: Run, peak_flops: float, start_step: int, max_steps: int):
-        """peak_flops: the device's, for MFU; 0: measured now (measure_peak_flops)."""
-        self.run, self.start_step, self.max_steps = run, start_step, max_steps
+    def __init__(self, run: Run, peak_flops: float, start_step: int, max_steps: int, phases: tuple = PHASES):
+        """peak_flops: the device's, for MFU; 0: measured now (measure_peak_flops). phases: the step's parts
+        (RL adds its rollouts and rewards)."""
+        self.run, self.start_step, self.max_steps, self.phases = run, start_step, max_steps, phases
         self.peak_flops = peak_flops or measure_peak_flops(run.device, run.dtype)
         self.t_start = self.t_last = time.time()
         self.tokens = self.flops = 0  # this rank's, since the last read
-        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.seconds = dict.fromkeys(phases, 0.0)
         self.events: list = []  # CUDA: (phase, start event, end event)
 
     @contextmanager
@@ -96,7 +97,7 @@ class StepTimer:
                **{f"frac_{p}": s / busy for p, s in self.seconds.items()}, "elapsed_s": elapsed,
                "eta_s": elapsed / (step - self.start_step) * (self.max_steps - step)}
         self.t_last, self.tokens, self.flops = now, 0, 0
-        self.seconds, self.events = dict.fromkeys(self.PHASES, 0.0), []
+        self.seconds, self.events = dict.fromkeys(self.phases, 0.0), []
         return row
 
 
@@ -109,12 +110,14 @@ def console_line(row: dict, max_steps: int) -> str:
     """What a person watches, in their units, on one line; the full row goes to metrics.jsonl (skipped updates
     get a line of their own from NonFiniteGuard.report)."""
     parts = [f"step {row['step']}/{max_steps}"]
-    if "val_loss" in row:  # an evaluation row
+    if "loss" not in row:  # an evaluation row
         parts += [f"{k} {v:.4g}" for k, v in row.items() if k.startswith("val_") and "logp" not in k]
         return " | ".join(parts)
     parts += [f"loss {row['loss']:.4g}", f"lr {row['lr']:.1e}", f"grad {row['grad_norm']:.3g}"]
-    if "reward_acc" in row:  # DPO
-        parts.append(f"acc {row['reward_acc']:.0%} margin {row['reward_margin']:.3g}")
+    if "reward_margin" in row:  # DPO's reward_acc, the reward model's pair_acc
+        parts.append(f"acc {row.get('reward_acc', row.get('pair_acc')):.0%} margin {row['reward_margin']:.3g}")
+    if "reward_mean" in row:  # RL's
+        parts.append(f"reward {row['reward_mean']:.3g} ± {row['reward_std']:.2g} len {row['completion_len']:.3g}")
     tokens = row["tokens_per_s"]
     parts += [f"{tokens / 1e3:.1f}k tok/s" if tokens >= 1e3 else f"{tokens:.0f} tok/s", f"MFU {row['mfu']:.0%}"]
     return " | ".join(parts + [f"{clock(row['elapsed_s'])} / ETA {clock(row['eta_s'])}"])

@@ -7,7 +7,7 @@ paragraphs about one country, as runs of sums, and as FAQ-style questions with t
 and DPO pairs never mention the held-out countries and sums; eval.jsonl asks about them. So the evaluation
 measures whether SFT taught the model to answer in the chat template with what pretraining knew.
 
-    python prepare_demo.py            # -> data/demo/{pretrain,sft,dpo,dpo_eval,eval,eval_sft}.jsonl
+    python prepare_demo.py            # -> data/demo/{pretrain,sft,dpo,dpo_eval,eval,eval_sft,grpo,grpo_eval}.jsonl
 
 It is synthetic: real training uses MiniMind-format files (see README).
 """
@@ -15,7 +15,7 @@ import argparse
 import os
 import random
 
-from demo_data import conversation, documents, dpo_pair, eval_questions, split_world, write_jsonl
+from demo_data import conversation, documents, double_prompts, dpo_pair, eval_questions, split_world, write_jsonl
 
 
 def main(argv=None):
@@ -47,8 +47,15 @@ def main(argv=None):
     write_jsonl(f"{args.out_dir}/eval_sft.jsonl",  # the same, as SFT conversations: for eval.py sft
                 ({"conversations": [{"role": "user", "content": e["question"]},
                                     {"role": "assistant", "content": e["answer"]}]} for e in evals))
+    numbers = list(range(args.max_number))  # RL: doubling, its own random stream (the files above stay as they were)
+    random.Random(args.seed + 1).shuffle(numbers)
+    held = args.max_number // 4
+    rl_train, rl_eval = double_prompts(sorted(numbers[held:])), double_prompts(sorted(numbers[:held]))
+    random.Random(args.seed + 2).shuffle(rl_train)  # mixed in the file, so that its last val_fraction is any
+    write_jsonl(f"{args.out_dir}/grpo.jsonl", rl_train)
+    write_jsonl(f"{args.out_dir}/grpo_eval.jsonl", rl_eval)
     print(f"wrote {args.out_dir}/: {len(docs)} pretraining documents, {args.sft} conversations, "
-          f"{args.dpo} + 200 DPO pairs, {len(evals)} held-out questions")
+          f"{args.dpo} + 200 DPO pairs, {len(evals)} held-out questions, {len(rl_train)} + {len(rl_eval)} RL prompts")
 
 
 if __name__ == "__main__":

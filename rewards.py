@@ -1,14 +1,21 @@
 """
-Rewards that can be checked: does a completion's final answer equal the reference?
+Rewards for reinforcement learning (train_grpo.py): the checkable one -- does a completion's final answer equal the
+reference? -- MiniMind's rule rewards, and a user's own functions.
 
     answer_reward("<think>\\n3 + 4 is 7\\n</think>\\n\\nThe sum is 7.", "7")   # 1.0: its last number is 7
     answer_reward("巴黎。", "巴黎")                                            # 1.0: the same words
+    load_rewards("answer,repetition")    # train_grpo.py's `reward` key: {name: fn(messages, completion, record)}
 
 The final answer is what follows the last </think> (a model thinks first in MiniMind's template). A reference that
 is a number is compared with the answer's last number, as a value ("7.0" and "7", "1,000" and "1000" agree); any
 other reference with the whole answer, ignoring case, surrounding space and end punctuation.
 """
+import importlib
+import importlib.util
+import os
 import re
+
+from errors import ConfigError
 
 # an integer (thousands may be grouped by commas: 1,000), a decimal fraction, a sign
 NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
@@ -37,3 +44,83 @@ def answer_reward(completion: str, reference: str) -> float:
         return float(bool(numbers) and float(numbers[-1].replace(",", "")) == expected)
     normalise = lambda text: text.strip().strip(END_PUNCTUATION).casefold()  # noqa: E731
     return float(normalise(answer) == normalise(reference))
+
+
+def reference(record: dict) -> str | None:
+    """A record's reference answer: its "answer", or MiniMind's "gt"; a number in the JSON as its text."""
+    value = record.get("answer", record.get("gt"))
+    return None if value is None else str(value)
+
+
+# -----------------------------------------------------------------------------
+# MiniMind's rule rewards (trainer/train_grpo.py), for open-ended prompts without a reference
+
+def length_reward(completion: str) -> float:
+    """+0.5 for an answer of 20-800 characters (not counting the think block), else -0.5."""
+    return 0.5 if 20 <= len(final_answer(completion)) <= 800 else -0.5
+
+
+def format_reward(completion: str) -> float:
+    """For a completion that thinks: +1 for 20-300 characters of thinking (else -0.5), +0.25 for exactly one
+    </think> (else -0.25); 0 for one that does not think."""
+    if "</think>" not in completion:
+        return 0.0
+    thinking = completion.split("</think>", 1)[0].replace("<think>", "").strip()
+    return (1.0 if 20 <= len(thinking) <= 300 else -0.5) + (0.25 if completion.count("</think>") == 1 else -0.25)
+
+
+def repetition_reward(completion: str, n: int = 3, cap: float = 0.5) -> float:
+    """Minus the share of the answer's word 3-grams that repeat an earlier one, doubled, at most `cap`."""
+    words = re.findall(r"\w+|[^\w\s]", final_answer(completion).lower())
+    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+    return -min(cap, (len(grams) - len(set(grams))) * cap * 2 / len(grams)) if grams else 0.0
+
+
+# -----------------------------------------------------------------------------
+# the `reward` key: names of rewards, summed; each is called as fn(messages, completion, record) -> float
+
+BUILT_IN = {
+    "answer": lambda messages, completion, record: answer_reward(completion, reference(record)),
+    "length": lambda messages, completion, record: length_reward(completion),
+    "format": lambda messages, completion, record: format_reward(completion),
+    "repetition": lambda messages, completion, record: repetition_reward(completion),
+}
+
+
+def load_rewards(spec: str) -> dict:
+    """`reward`'s value -> {name: fn(messages, completion, record) -> float}: comma-separated names of the
+    built-in rewards (answer, length, format, repetition) or a user's `module:function` / `path.py:function`;
+    "none" for no rule reward (a reward model alone)."""
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    if names == ["none"]:
+        return {}
+    rewards = {}
+    for name in names:
+        if name in BUILT_IN:
+            rewards[name] = BUILT_IN[name]
+        elif ":" in name:
+            rewards[name] = user_function(name)
+        else:
+            raise ConfigError(f"config key 'reward' names {name!r}: choose from {', '.join(BUILT_IN)}, none, or a "
+                              "module:function of your own")
+    if not rewards:
+        raise ConfigError("config key 'reward' is empty: name a reward, or none with a reward_model")
+    return rewards
+
+
+def user_function(name: str):
+    """'package.module:function' (importable from here) or 'path/to/file.py:function' -> the function."""
+    module_name, _, function = name.rpartition(":")
+    try:
+        if module_name.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except (ImportError, OSError) as e:
+        raise ConfigError(f"config key 'reward': cannot import {module_name} ({e})") from None
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise ConfigError(f"config key 'reward': {module_name} has no function {function!r}")
+    return fn

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import lora
-from checkpoint import EarlyStopping, checkpoint_to_resume, finetune_model, model_from_checkpoint, prepare_training
+from checkpoint import EarlyStopping, checkpoint_to_resume, finetune_model, frozen_model, prepare_training
 from config import DPOConfig, load_config
 from data import Loader, dpo_loaders
 from errors import cli
@@ -44,12 +44,6 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
                "chosen_reward": chosen_rewards.mean(), "rejected_reward": rejected_rewards.mean(),
                "chosen_logp": policy_chosen_logps.mean(), "rejected_logp": policy_rejected_logps.mean()}
     return loss, {k: v.detach() for k, v in metrics.items()}
-
-
-def load_frozen(path: str, device, flash: bool | None):
-    """The reference model: eval mode, no gradients, so the optimizer never sees it. It takes the policy's
-    attention path (not the one saved in the checkpoint), so at step 0 policy and reference agree exactly."""
-    return model_from_checkpoint(path, device, flash=flash)[0].eval().requires_grad_(False)
 
 
 class Reference:
@@ -85,7 +79,7 @@ def reference_tables(ref_path: str, cfg, loaders: dict[str, Loader], run) -> dic
     path = f"{expand_paths(cfg.data_path)[0]}.ref-{key}.pt"  # beside the first data file
     if os.path.exists(path):
         return torch.load(path)
-    ref = load_frozen(ref_path, run.device, cfg.flash)
+    ref = frozen_model(ref_path, run.device, cfg.flash)
     tables = {}
     for split, loader in loaders.items():
         tables[split] = torch.zeros(len(loader.dataset), 2)
@@ -131,7 +125,7 @@ def make_reference(cfg, run, model, loader, val_loader) -> Reference:
     if cfg.lora_rank and cfg.ref_from is None and not cfg.precompute_ref:
         return Reference(model, None, cfg.length_norm, adapters_off=True)
     if not cfg.precompute_ref:
-        return Reference(load_frozen(cfg.ref_from or cfg.init_from, run.device, cfg.flash), None, cfg.length_norm)
+        return Reference(frozen_model(cfg.ref_from or cfg.init_from, run.device, cfg.flash), None, cfg.length_norm)
     with run.rank0_first("waiting for rank 0 to compute the reference log-probs"):
         tables = reference_tables(cfg.ref_from or cfg.init_from, cfg, {"train": loader, "val": val_loader}, run)
     return Reference(tables={split: table.to(run.device) for split, table in tables.items()})

@@ -129,7 +129,7 @@ def test_the_adapters_off_reference_is_the_base_model(tiny_sft, demo_dir):
 
 
 def test_lora_dpo_starts_at_ln2_with_no_second_model(tiny_sft, demo_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(train_dpo, "load_frozen", None)  # a separate reference model would fail to load
+    monkeypatch.setattr(train_dpo, "frozen_model", None)  # a separate reference model would fail to load
     train_dpo.main([f"--init_from={tiny_sft}", f"--data_path={demo_dir}/dpo.jsonl", f"--out_dir={tmp_path}", *TINY_RUN,
                     "--batch_size=8", "--lr=3e-3", "--warmup_steps=0", "--max_prompt_length=32",
                     "--max_completion_length=32", "--eval_steps=2", "--max_steps=8", "--eval_interval=8", *LORA])

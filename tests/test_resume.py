@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import train_dpo
+import train_grpo
 import train_pretrain
 import train_sft
 from checkpoint import load_checkpoint
@@ -19,7 +20,7 @@ from conftest import (REPO, TINY_MODEL, TINY_RUN, assert_resumes_exactly, final_
 from errors import CheckpointError
 from metrics import measure_peak_flops
 
-SCRIPTS = {"pretrain": train_pretrain, "sft": train_sft, "dpo": train_dpo}
+SCRIPTS = {"pretrain": train_pretrain, "sft": train_sft, "dpo": train_dpo, "grpo": train_grpo}
 DEFAULT_PEAK = [flag for flag in TINY_RUN if not flag.startswith("--peak_flops")]  # measured, as users run it
 WALL_CLOCK = ("tokens_per_s", "mfu", "mem_gb", "elapsed_s", "eta_s")  # with frac_*: differ between any two runs
 
@@ -37,8 +38,9 @@ def one_thread():
 def stage_flags(stage: str, request, tmp_path) -> list[str]:
     """A tiny run of a stage with dropout 0.1, so that the restored RNG states matter, on the first records of the demo
     file, 20% held out: 6 batches per epoch, so that runs cross epoch ends (pretraining: 37 documents, ~100 training
-    windows of 33 tokens, in 16s; SFT, DPO: 48 conversations or pairs, in 8s). SFT and DPO start from the session's tiny models;
-    early stopping is off, so every run has its full length."""
+    windows of 33 tokens, in 16s; SFT, DPO: 48 conversations or pairs, in 8s; GRPO: 48 prompts, groups of 4 sampled
+    completions). SFT, DPO and GRPO start from the session's tiny models; early stopping is off, so every run has
+    its full length."""
     lines = (request.getfixturevalue("demo_dir") / f"{stage}.jsonl").read_text(encoding="utf-8").splitlines(True)
     data = tmp_path / f"{stage}.jsonl"
     data.write_text("".join(lines[: 37 if stage == "pretrain" else 60]), encoding="utf-8")
@@ -48,6 +50,9 @@ def stage_flags(stage: str, request, tmp_path) -> list[str]:
     finetune = [*common, "--batch_size=8", "--early_stopping_patience=1000"]
     if stage == "sft":
         return [*finetune, f"--init_from={request.getfixturevalue('tiny_pretrained')}", "--lr=5e-3", "--max_seq_len=64"]
+    if stage == "grpo":
+        return [*finetune, f"--init_from={request.getfixturevalue('tiny_sft')}", "--lr=1e-3", "--warmup_steps=0",
+                "--group_size=4", "--max_new_tokens=8", "--beta=0.1"]
     return [*finetune, f"--init_from={request.getfixturevalue('tiny_sft')}", "--lr=1e-3", "--warmup_steps=0",
             "--max_prompt_length=32", "--max_completion_length=32"]
 
@@ -104,7 +109,8 @@ def test_measuring_the_peak_flops_draws_nothing_from_the_global_generators():
 
 # --- stopped by SIGTERM, resumed in the same out_dir ----------------------------------------------
 
-@pytest.mark.parametrize("stage, flags", [("pretrain", []), ("sft", []), ("dpo", ["--precompute_ref=True"])])
+@pytest.mark.parametrize("stage, flags", [("pretrain", []), ("sft", []), ("dpo", ["--precompute_ref=True"]),
+                                         ("grpo", ["--ppo_epochs=2"])])
 def test_a_run_stopped_by_sigterm_resumes_in_its_out_dir_exactly(stage, flags, request, tmp_path):
     argv = [*stage_flags(stage, request, tmp_path), *flags, "--max_steps=20"]
     stopped, full = tmp_path / "stopped", tmp_path / "full"
@@ -118,7 +124,7 @@ def test_a_run_stopped_by_sigterm_resumes_in_its_out_dir_exactly(stage, flags, r
 
 # --- lost after its last checkpoint, just before and exactly at an epoch end ----------------------
 
-@pytest.mark.parametrize("stage", ["pretrain", "sft", "dpo"])  # DPO: the reference model on the fly
+@pytest.mark.parametrize("stage", ["pretrain", "sft", "dpo", "grpo"])  # DPO, GRPO: the reference model on the fly
 def test_a_resume_before_and_at_an_epoch_end_replaces_the_later_rows_exactly(stage, request, tmp_path):
     argv = [*stage_flags(stage, request, tmp_path), "--max_steps=14", "--save_interval=1", "--keep_checkpoints=100"]
     full = tmp_path / "full"

@@ -1,0 +1,206 @@
+"""
+Reinforcement learning with GRPO: every prompt gets a group of sampled completions, every completion a reward, and
+the policy learns to make likelier the completions that beat their group's mean (grpo.py: the losses).
+
+    python train_grpo.py configs/demo_grpo.py                        # the demo's doubling task
+    python train_grpo.py --init_from=out/sft/best.pt --data_path=rlaif.jsonl --reward=answer
+    python train_grpo.py --help                                      # every key, its default and meaning
+
+A step: batch_size prompts per micro-batch (x accum_steps x ranks) -> group_size completions each, sampled from
+the current policy together (engine.py: one batch, KV cache) -> rewards -> advantages within each group ->
+ppo_epochs optimizer steps on the loss. The loss is the sum of the per-token losses over the completion tokens of
+the whole step -- every micro-batch, every rank -- divided by their number: every token weighs alike, so a long
+wrong answer is not excused by its length nor a short one punished more (a per-completion mean would), and
+batch_size x accum_steps x ranks is exactly one big batch.
+"""
+import dataclasses
+from contextlib import nullcontext
+from functools import partial
+
+import torch
+
+import lora
+from checkpoint import EarlyStopping, checkpoint_to_resume, finetune_model, frozen_model, prepare_training
+from config import GRPOConfig, load_config
+from data import Prompt, prompt_loaders
+from errors import ConfigError, cli
+from grpo import (Rewarder, completion_batch, completion_texts, group_advantages, policy_loss, prompt_seed, rollout,
+                  token_logprobs)
+from losses import evaluate
+from metrics import MetricsLog, StepTimer, start_profiler
+from optim import get_lr, schedule_length, set_lr
+from reward_model import load_reward_model
+from rewards import answer_reward, load_rewards, reference
+from runtime import StopSignal, all_reduce_sum, print0, print_run, setup, teardown, wrap
+from tokenizer import load_tokenizer
+
+PHASES = ("rollout", "reward", "forward", "backward", "optimizer")
+STATS = ["completions", "reward_sum", "reward_sq_sum", "tokens", "groups", "zero_adv_groups"]  # summed over ranks
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """One micro-batch of a step: its prompts' completions as training rows, with what the loss needs."""
+    prompts: list[Prompt]  # the prompt of each completion (group by group)
+    texts: list[str]
+    X: torch.Tensor
+    Y: torch.Tensor
+    mask: torch.Tensor  # 1 on completion tokens
+    rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    old_logp: torch.Tensor | None = None  # the rollout policy's log-probs (ppo_epochs > 1)
+    ref_logp: torch.Tensor | None = None  # the reference's (beta > 0)
+
+
+def roll_out(raw_model, prompts: list[Prompt], indices: list[int], step: int, cfg, tokenizer, run) -> Rollouts:
+    """group_size sampled completions of each prompt, each prompt's seeded by (seed, step, its index)."""
+    with run.autocast():
+        rows = rollout(raw_model, [p.ids for p in prompts], [prompt_seed(cfg.seed, step, i) for i in indices],
+                       cfg.group_size, cfg.max_new_tokens, tokenizer.eos_id, cfg.temperature, cfg.top_p)
+    X, Y, mask = completion_batch([r.prompt for r in rows], [r.tokens for r in rows], tokenizer.eos_id,
+                                  tokenizer.pad_id, run.device)
+    return Rollouts([p for p in prompts for _ in range(cfg.group_size)], completion_texts(tokenizer, rows), X, Y, mask)
+
+
+def make_reference(cfg, model):
+    """A context that gives the KL's reference model: None for beta 0 (none is loaded); with LoRA the policy
+    itself with its adapters off; else a frozen copy of init_from."""
+    if not cfg.beta:
+        return None
+    if cfg.lora_rank:
+        return partial(lora.adapters_off, model)
+    frozen = frozen_model(cfg.init_from, next(model.parameters()).device, cfg.flash)
+    return partial(nullcontext, frozen)
+
+
+@torch.no_grad()
+def validation_reward(raw_model, val_loader, rewarder: Rewarder, cfg, tokenizer, run) -> dict[str, float]:
+    """val_reward: the mean reward of greedy completions of the held-out prompts (the first eval_steps batches of
+    every rank); val_pass1, with reward=answer: the fraction whose final answer is the reference."""
+    def batch_sums(indices):
+        prompts = [val_loader.dataset[i] for i in indices]
+        with run.autocast():
+            rows = rollout(raw_model, [p.ids for p in prompts], None, 1, cfg.max_new_tokens, tokenizer.eos_id)
+        texts = completion_texts(tokenizer, rows)
+        sums = {"reward": sum(rewarder(prompts, texts)), "prompts": len(prompts)}
+        if "answer" in rewarder.functions:
+            sums["pass"] = sum(answer_reward(t, reference(p.record)) for p, t in zip(prompts, texts))
+        return {k: torch.tensor(float(v)) for k, v in sums.items()}
+
+    totals = evaluate(batch_sums, ((batch,) for batch in val_loader.batches(cfg.eval_steps)), run)
+    n = totals.pop("prompts")
+    return {"val_reward": totals["reward"] / n} | ({"val_pass1": totals["pass"] / n} if "pass" in totals else {})
+
+
+def main(argv: list[str]):
+    (cfg,) = load_config(argv, GRPOConfig)
+    run = setup(cfg.device, cfg.dtype, cfg.seed)
+    model = finetune_model(cfg, run)
+    model_cfg = model.config
+    cfg = cfg.fit_lengths(model_cfg.max_seq_len)
+    print_run(cfg, model_cfg, run)
+    resume_from = checkpoint_to_resume(cfg)
+    tokenizer = load_tokenizer(cfg.tokenizer_path)
+    functions = load_rewards(cfg.reward)
+    if not functions and not cfg.reward_model:
+        raise ConfigError("reward=none scores with a reward model alone: pass reward_model=RM.pt")
+    # the reward model brings its own tokenizer: it may differ from the policy's
+    reward_model, reward_tokenizer = load_reward_model(cfg.reward_model, run.device) if cfg.reward_model else (None, None)
+    rewarder = Rewarder(functions, reward_model, reward_tokenizer)
+    loader, val_loader = prompt_loaders(cfg, tokenizer, run, need_reference="answer" in functions)
+    max_steps, warmup_steps, steps_per_epoch = schedule_length(cfg, loader, val_loader, run)
+    reference_model = make_reference(cfg, model)
+
+    early = EarlyStopping(cfg.early_stopping_patience, cfg.early_stopping_threshold, "val_reward", maximize=True)
+    optimizer, scaler, guard, checkpoints = prepare_training(cfg, model_cfg, "grpo", run, model, loader, early)
+    step = checkpoints.resume(resume_from)
+    raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for rollouts, saving and FLOPs
+    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
+    if step == 0:  # the starting model on the held-out prompts: what RL improves on
+        log.write({"step": 0, **validation_reward(raw_model, val_loader, rewarder, cfg, tokenizer, run)})
+    timer = StepTimer(run, cfg.peak_flops, step, max_steps, PHASES)
+
+    while step < max_steps:
+        set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
+        # every micro-batch's rollouts come first: the loss divides by the completion tokens of them all
+        with timer.phase("rollout"):
+            batches = []
+            for _ in range(cfg.accum_steps):
+                indices = loader.next_batch()
+                prompts = [loader.dataset[i] for i in indices]
+                batches.append(roll_out(raw_model, prompts, indices, step, cfg, tokenizer, run))
+        with timer.phase("reward"):
+            stats = torch.zeros(len(STATS))
+            for b in batches:
+                b.rewards = torch.tensor(rewarder(b.prompts, b.texts))
+                b.advantages = group_advantages(b.rewards, cfg.group_size).to(run.device)
+                groups = b.rewards.view(-1, cfg.group_size)
+                stats += torch.tensor([len(b.rewards), b.rewards.sum(), (b.rewards ** 2).sum(), b.mask.sum().item(),
+                                       len(groups), (groups == groups[:, :1]).all(dim=1).sum()])
+            stats = dict(zip(STATS, all_reduce_sum(stats.to(run.device, torch.float64), run).tolist()))
+            n_tokens = max(stats["tokens"], 1.0)
+        with timer.phase("forward"), torch.no_grad(), run.autocast():  # log-probs that stay fixed over the epochs
+            for b in batches:
+                if cfg.ppo_epochs > 1:  # with one epoch the ratio's denominator is the update's own forward
+                    b.old_logp = token_logprobs(raw_model.eval(), b.X, b.Y)
+                    raw_model.train()
+                if reference_model is not None:
+                    with reference_model() as ref:
+                        b.ref_logp = token_logprobs(ref, b.X, b.Y)
+        for _ in range(cfg.ppo_epochs):
+            sums = torch.zeros(3, device=run.device)  # the loss, kl and clipped tokens, summed over this rank's tokens
+            for micro_step, b in enumerate(batches):
+                with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
+                    with timer.phase("forward"), run.autocast():
+                        logp = token_logprobs(model, b.X, b.Y)
+                        old_logp = logp.detach() if b.old_logp is None else b.old_logp
+                        loss_sum, m = policy_loss(logp, old_logp, b.ref_logp, b.advantages, b.mask, cfg.loss_type,
+                                                  cfg.clip_eps, cfg.clip_high, cfg.beta)
+                        loss = loss_sum * run.world_size / n_tokens  # x world_size: DDP averages the ranks' gradients
+                    with timer.phase("backward"):
+                        scaler.scale(loss).backward()
+                sums += torch.stack([loss_sum.detach(), m["kl"], m["clipped"]])
+                timer.count(b.X, raw_model.flops_per_token(b.X.size(1)))
+            with timer.phase("optimizer"):
+                loss, kl, clip_frac = all_reduce_sum(sums, run) / n_tokens  # the same on every rank
+                scaler.unscale_(optimizer)  # float16: clip the true gradients, not the scaled ones
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
+                log.grad_flow(step + 1, raw_model, cfg.grad_log_interval)
+                guard.check(loss, grad_norm, optimizer)  # a NaN/Inf loss or gradient: this update is skipped
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if profiler:
+            profiler.step()
+
+        stopping = False
+        if step % cfg.log_interval == 0 or step == max_steps:  # the loop's host syncs (.item()), besides rewards
+            skipped = guard.report(step, loss.item(), grad_norm.item())  # names skipped steps; too many stop the run
+            mean = stats["reward_sum"] / stats["completions"]
+            row = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "reward_mean": mean,
+                   "reward_std": max(stats["reward_sq_sum"] / stats["completions"] - mean ** 2, 0.0) ** 0.5,
+                   **({"kl": kl.item()} if cfg.beta else {}), "clip_frac": clip_frac.item(),
+                   "completion_len": stats["tokens"] / stats["completions"],
+                   "frac_zero_adv": stats["zero_adv_groups"] / stats["groups"], "skipped_steps": skipped}
+            log.write(row | timer.read(step))
+            stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
+        if step % cfg.eval_interval == 0 or step % steps_per_epoch == 0 or step == max_steps:
+            with timer.paused():
+                val = validation_reward(raw_model, val_loader, rewarder, cfg, tokenizer, run)
+                log.write({"step": step, **val})
+                if early.update(val["val_reward"]):
+                    checkpoints.save("best.pt", step)
+            stopping |= early.should_stop
+        if step % cfg.save_interval == 0 or step == max_steps or stopping:
+            with timer.paused():
+                checkpoints.save(f"step_{step:07d}.pt", step)
+        if stopping:  # a signal (saved above) or early stopping
+            break
+    stop.restore()
+    print0(f"done: step {step}, best val_reward {early.best:.4f}, checkpoints in {cfg.out_dir}")
+    teardown(run)
+
+
+if __name__ == "__main__":
+    cli(main)
