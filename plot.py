@@ -5,10 +5,10 @@ Training curves and a health verdict from out_dir/metrics.jsonl; works while a r
     python plot.py out/pretrain out/pretrain_lr1e-3 --out plots/ --smooth 50   # runs overlaid
 
 training.png: loss (train raw + smoothed, validation), lr, gradient norm, tokens/s, memory; DPO runs add reward
-margin and accuracy; runs that log frac_* add their step-time split. grad_flow.png: the latest per-layer gradient
+margin and accuracy, RL runs their rewards; runs that log frac_* add their step-time split. grad_flow.png: the latest per-layer gradient
 norms of runs that log them (grad_log_interval). The verdict: rules of thumb for a sick run (NaN, a loss that does
-not fall, overfitting, oscillation, exploding or vanishing gradients, a stuck DPO loss), each with likely causes and
-remedies.
+not fall, overfitting, oscillation, exploding or vanishing gradients, a stuck DPO loss, RL groups that teach
+nothing), each with likely causes and remedies. An RL loss is no progress measure: its rules watch the rewards.
 """
 import argparse
 import json
@@ -23,7 +23,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 PANEL_W, PANEL_H, DPI, COLUMNS = 5.0, 3.5, 100, 3  # training.png is COLUMNS panels wide, 100 px per inch
-PHASES = ["data", "forward", "backward", "optimizer"]  # the frac_* keys of a train row
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -72,6 +71,10 @@ def is_dpo(rows: list[dict]) -> bool:
     return any("reward_margin" in r or "val_reward_margin" in r for r in rows)
 
 
+def is_rl(rows: list[dict]) -> bool:
+    return any("reward_mean" in r for r in rows)
+
+
 # -----------------------------------------------------------------------------
 # the verdict
 
@@ -96,9 +99,9 @@ def verdicts(rows: list[dict], window: int = 20) -> list[Verdict]:
                            "zero; try: lower lr, gradient clipping, check the data, bfloat16 or float32"))
     finite = loss[np.isfinite(loss)]
     smoothed = smooth(loss, window)
-    dpo = is_dpo(rows)
-    # a DPO loss starts at ln 2 and falls little; the ln 2 rule below watches it instead
-    if not dpo and len(finite) >= 10 and smoothed[-1] > 0.9 * finite[0]:
+    dpo, rl = is_dpo(rows), is_rl(rows)
+    # a DPO loss starts at ln 2 and falls little; the ln 2 rule below watches it instead; an RL loss need not fall
+    if not dpo and not rl and len(finite) >= 10 and smoothed[-1] > 0.9 * finite[0]:
         out.append(Verdict("loss_not_falling", f"smoothed train loss {smoothed[-1]:.3f} > 0.9 x first {finite[0]:.3f}",
                            "likely: lr too small, or so large it diverged; broken data; bad initialisation; "
                            "try: lr between 1e-5 and 1e-3 (diagnose.py lr_find), check the grad norm and the data "
@@ -112,7 +115,7 @@ def verdicts(rows: list[dict], window: int = 20) -> list[Verdict]:
                                "likely: model too large for the data, too few examples, too many epochs; try: "
                                "dropout, weight decay, more data, early stopping, a smaller model"))
     last = finite[-100:]
-    if len(last) >= 10:
+    if len(last) >= 10 and not rl:
         # step-to-step noise around the trend: a loss falling fast is not an oscillation, so std/mean is taken
         # of the differences, not of the losses (std(diff)/sqrt(2) is the std of the noise itself)
         volatility = np.std(np.diff(last)) / math.sqrt(2) / abs(np.mean(last))
@@ -136,6 +139,13 @@ def verdicts(rows: list[dict], window: int = 20) -> list[Verdict]:
                            "the last 10 rows: the policy does not move away from the reference",
                            "likely: lr or beta too small, chosen == rejected, the reference is the policy itself "
                            "(shared weights); try: larger lr or beta, check the pairs differ"))
+    _, zero_adv = series(rows, "frac_zero_adv")
+    if rl and len(zero_adv) >= 10 and np.all(zero_adv[-10:] == 1):
+        out.append(Verdict("rl_no_signal", "in the last 10 rows every group's completions got equal rewards: the "
+                           "advantages, and so the gradients, are all 0",
+                           "likely: the task is too hard (all rewards 0) or already solved (all 1), the "
+                           "completions are alike (temperature too low), max_new_tokens cuts the answers; try: easier "
+                           "prompts or more SFT, a higher temperature, larger group_size, a graded reward"))
     return out
 
 
@@ -162,6 +172,9 @@ def plot_runs(runs: dict[str, list[dict]], out_dir: str, window: int = 20) -> li
         panels.append(("bpb", "validation bits per byte", False))  # across tokenizers, unlike the loss
     if any(is_dpo(rows) for rows in runs.values()):
         panels += [("reward_margin", "reward margin (chosen - rejected)", False), ("reward_acc", "reward accuracy", False)]
+    if any(is_rl(rows) for rows in runs.values()):
+        panels += [("reward", "reward (train: rollouts' mean; val: greedy)", False),
+                   ("frac_zero_adv", "groups with equal rewards", False)]
     split_runs = [name for name, rows in runs.items() if any("frac_forward" in r for r in rows)]
     panels += [(f"split:{name}", f"step time split, {name}", False) for name in split_runs]
     n_rows = math.ceil(len(panels) / COLUMNS)
@@ -174,7 +187,7 @@ def plot_runs(runs: dict[str, list[dict]], out_dir: str, window: int = 20) -> li
             time_split(ax, runs[key[len("split:"):]])
             continue
         for name, rows in runs.items():
-            steps, values = series(rows, key)
+            steps, values = series(rows, "reward_mean" if key == "reward" else key)  # RL's train reward
             if key == "loss" and len(values):
                 ax.plot(steps, values, color=colors[name], alpha=0.25, lw=0.8)  # raw: faint
                 ax.plot(steps, smooth(values, window), color=colors[name], label=f"{name} train")
@@ -204,10 +217,13 @@ def plot_runs(runs: dict[str, list[dict]], out_dir: str, window: int = 20) -> li
 
 
 def time_split(ax, rows: list[dict]):
-    """Stacked fractions of each log interval spent on data, forward, backward and optimizer."""
-    rows = [r for r in rows if all(f"frac_{p}" in r for p in PHASES)]
+    """Stacked fractions of each log interval spent on each phase the run logs (data, forward, backward, optimizer;
+    RL: rollout, reward, forward, backward, optimizer)."""
+    phases = [k[len("frac_"):] for k in next(r for r in rows if "frac_forward" in r) if k.startswith("frac_")
+              and k != "frac_zero_adv"]
+    rows = [r for r in rows if all(f"frac_{p}" in r for p in phases)]
     steps = [r["step"] for r in rows]
-    ax.stackplot(steps, [[r[f"frac_{p}"] for r in rows] for p in PHASES], labels=PHASES, alpha=0.8)
+    ax.stackplot(steps, [[r[f"frac_{p}"] for r in rows] for p in phases], labels=phases, alpha=0.8)
     ax.set_ylim(0, 1.2)  # room for the legend above the stack
     ax.set_yticks([0, 0.25, 0.5, 0.75, 1])
     ax.set_ylabel("fraction of step time")

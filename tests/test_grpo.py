@@ -305,3 +305,23 @@ def test_a_reward_models_score_is_added_to_the_rule_rewards(tok):
     assert len(set(scores)) == 3  # the completions score differently
     assert Rewarder({}, rm, tok)(prompts, texts) == scores
     assert Rewarder(load_rewards("answer"), rm, tok)(prompts, texts) == [s + a for s, a in zip(scores, [1.0, 0.0, 1.0])]
+
+
+def test_a_run_with_minimind_chatml_template(demo_dir, tmp_path):
+    # MiniMind's tokenizer and template (the default), from a random-weights checkpoint of its vocabulary
+    import dataclasses
+
+    from model import ModelConfig, Transformer
+    from tokenizer import DEFAULT_DIR, load_tokenizer
+
+    tokenizer = load_tokenizer(str(DEFAULT_DIR))
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=tokenizer.vocab_size, max_seq_len=64)
+    torch.manual_seed(0)
+    torch.save({"model": Transformer(cfg).state_dict(), "model_config": dataclasses.asdict(cfg)}, tmp_path / "init.pt")
+    out = tmp_path / "run"
+    train_grpo.main(grpo_args(demo_dir, tmp_path / "init.pt", out, f"--tokenizer_path={DEFAULT_DIR}",
+                              "--batch_size=4", "--max_steps=2"))
+    prompts = read_prompts(f"{demo_dir}/grpo_eval.jsonl", tokenizer, 56, verbose=False)
+    assert tokenizer.decode(prompts[0].ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    train = [r for r in read_metrics(out) if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2] and all(1 <= r["completion_len"] <= 8 for r in train)

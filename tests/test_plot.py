@@ -44,6 +44,22 @@ def dpo_rows(n=100, stuck=False, seed=0):
     return rows
 
 
+def rl_rows(n=60, no_signal=False, seed=0):
+    """A GRPO run: a noisy policy loss around 0 that need not fall, rewards rising (no_signal: every group alike)."""
+    rng = np.random.default_rng(seed)
+    rows = [{"step": 0, "val_reward": 0.1, "val_pass1": 0.1}]
+    for i in range(1, n + 1):
+        reward = 0.0 if no_signal else min(0.9, 0.1 + 0.02 * i)
+        rows.append({"step": i, "loss": 0.05 * rng.standard_normal(), "lr": 1e-4, "grad_norm": 1.0,
+                     "reward_mean": reward, "reward_std": 0.3, "clip_frac": 0.0, "completion_len": 10.0,
+                     "frac_zero_adv": 1.0 if no_signal else 0.5, "skipped_steps": 0, "tokens_per_s": 3000.0,
+                     "mfu": 0.01, "mem_gb": 0.4, "frac_rollout": 0.7, "frac_reward": 0.01, "frac_forward": 0.1,
+                     "frac_backward": 0.17, "frac_optimizer": 0.02, "elapsed_s": i * 0.5, "eta_s": 1.0})
+        if i % 10 == 0:
+            rows.append({"step": i, "val_reward": reward, "val_pass1": reward})
+    return rows
+
+
 def write(path, rows, tail=""):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)  # json.dumps writes NaN as NaN
@@ -64,6 +80,7 @@ TRIGGERS = {
     "grad_explosion": lambda: set_key(lm_rows(), "grad_norm", lambda i, v: 500.0),
     "grad_vanishing": lambda: set_key(lm_rows(), "grad_norm", lambda i, v: 1e-9),
     "dpo_stuck": lambda: dpo_rows(stuck=True),
+    "rl_no_signal": lambda: rl_rows(no_signal=True),
 }
 
 
@@ -81,8 +98,9 @@ def test_skipped_steps_count_as_non_finite():
 
 
 # "short": 30 rows of a fast fall; std/mean of the raw losses is 0.12, but a falling loss is no oscillation
-@pytest.mark.parametrize("rows", [lm_rows(), lm_rows(sft=True), lm_rows(n=30), dpo_rows()],
-                         ids=["pretrain", "sft", "short", "dpo"])
+# "rl": a policy loss jumping around 0 is no oscillation, nor a loss that does not fall
+@pytest.mark.parametrize("rows", [lm_rows(), lm_rows(sft=True), lm_rows(n=30), dpo_rows(), rl_rows()],
+                         ids=["pretrain", "sft", "short", "dpo", "rl"])
 def test_healthy_runs_fire_no_rule(rows, tmp_path, capsys):
     path = write(tmp_path / "run" / "metrics.jsonl", rows)
     rows = plot.read_metrics(str(path))
@@ -101,6 +119,7 @@ def png_size(path) -> tuple[int, int]:
     ("pretrain", lm_rows(), 6),  # loss, lr, grad norm, tokens/s, memory, time split
     ("sft", lm_rows(sft=True, split=False), 5),  # no frac_* fields: no time split
     ("dpo", dpo_rows(), 7),  # + reward margin, reward accuracy
+    ("rl", rl_rows(), 8),  # loss, lr, grad norm, tokens/s, memory, rewards, equal-reward groups, time split
 ])
 def test_plot_writes_pngs_of_the_expected_size(kind, rows, n_panels, tmp_path, capsys):
     run = write(tmp_path / kind / "metrics.jsonl", rows)
@@ -108,8 +127,8 @@ def test_plot_writes_pngs_of_the_expected_size(kind, rows, n_panels, tmp_path, c
     plot.main([str(run.parent), "--out", str(out), "--smooth", "10"])
     n_rows = math.ceil(n_panels / plot.COLUMNS)
     assert png_size(out / "training.png") == (n_rows * plot.PANEL_H * plot.DPI, plot.COLUMNS * plot.PANEL_W * plot.DPI)
-    assert (out / "grad_flow.png").exists() == (kind != "dpo")  # only the LM runs log layer_grad_norms
-    if kind != "dpo":
+    assert (out / "grad_flow.png").exists() == (kind not in ("dpo", "rl"))  # only the LM runs log layer_grad_norms
+    if kind not in ("dpo", "rl"):
         assert png_size(out / "grad_flow.png")[0] == 4 * plot.DPI
     assert f"{kind}: healthy" in capsys.readouterr().out
 
