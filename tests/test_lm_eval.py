@@ -5,14 +5,11 @@ import csv
 import json
 import os
 import random
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the folder and the task are local: never ask the Hub (read on import)
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+import subprocess
+import sys
 
 import pytest
 import torch
-from lm_eval import simple_evaluate  # noqa: E402
-from lm_eval.tasks import TaskManager
 
 import convert
 import eval as ev
@@ -22,6 +19,18 @@ from test_export import MINIMIND_TOKENIZER, random_checkpoint
 from tokenizer import NANOMIND_DIR
 
 SUBJECTS = ["capitals", "arithmetic", "colours", "animals"]
+# lm-eval runs in a process of its own: its imports (datasets, pyarrow) start a jemalloc thread, and a process
+# holding one can deadlock a fork (token_cache's worker pool) in any later test
+LM_EVAL = """
+import json, sys
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+folder, tasks, out = sys.argv[1:]
+r = simple_evaluate(model="hf", model_args=f"pretrained={folder},dtype=float32", device="cpu", tasks=["nanomind_mixed"],
+                    task_manager=TaskManager(include_path=tasks), batch_size=4, log_samples=True)
+samples = [{"doc_id": s["doc_id"], "resps": s["resps"]} for s in r["samples"]["nanomind_mixed"]]
+json.dump({"results": r["results"]["nanomind_mixed"], "samples": samples}, open(out, "w"))
+"""
 
 
 def questions(n: int, seed: int) -> list[dict]:
@@ -57,17 +66,19 @@ def test_lm_eval_scores_the_export_as_eval_py_scores_the_checkpoint(tokenizer, t
         "doc_to_text: \"Question: {{question}}\\nAnswer:\"\ndoc_to_choice: \"{{options}}\"\ndoc_to_target: answer\n"
         "target_delimiter: \" \"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n", encoding="utf-8")
 
-    theirs = simple_evaluate(model="hf", model_args=f"pretrained={tmp_path / 'hf'},dtype=float32", device="cpu",
-                             tasks=["nanomind_mixed"], task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
-                             batch_size=4, log_samples=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # local folder and task: never the Hub
+    done = subprocess.run([sys.executable, "-c", LM_EVAL, str(tmp_path / "hf"), str(tmp_path / "tasks"),
+                           str(tmp_path / "theirs.json")], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = json.loads((tmp_path / "theirs.json").read_text(encoding="utf-8"))
     ours = ev.main(["choice", f"--ckpt={ckpt}", "--task=mmlu", f"--data_dir={tmp_path / 'mmlu'}", "--device=cpu",
                     "--dtype=float32", f"--out={tmp_path / 'eval'}"])["subjects"]["overall"]
-    results = theirs["results"]["nanomind_mixed"]
+    results = theirs["results"]
     assert (results["acc,none"], results["acc_norm,none"]) == (ours["acc"], ours["acc_norm"])
 
     model, tok, _ = load_model(str(ckpt))
     score = ev.model_scorer(model.eval(), tok, 8, Run(torch.device("cpu"), "float32"))
-    for sample in theirs["samples"]["nanomind_mixed"]:
+    for sample in theirs["samples"]:
         q = qs[sample["doc_id"]]
         expected = score(ev.text_rows(tok, ev.Question(q["question"], q["options"], q["answer"]), [], "en"))
         got = [loglikelihood for (loglikelihood, _greedy), in sample["resps"]]
