@@ -13,14 +13,13 @@ import pytest
 import sacrebleu  # test-only dependencies (requirements.txt): the reference BLEU and ROUGE
 import torch
 import torch.nn.functional as F
-from rouge_score import rouge_scorer
 
 import eval as ev
 import sample
 import train_dpo
 from chat import encode_chat
 from checkpoint import load_model
-from conftest import TINY_CONTEXT, TINY_RUN, read_metrics
+from conftest import REPO, TINY_CONTEXT, TINY_RUN, read_metrics
 from data import Loader, SFTData, pad_rows
 from losses import count_token_bytes, validation_loss
 from model import ModelConfig, Transformer
@@ -175,13 +174,29 @@ def test_bleu4_equals_sacrebleu():
     assert ev.bleu4(["a b c"], ["x y z w"]) == 0.0
 
 
+# rouge-score runs in a process of its own: it imports pandas and pyarrow, whose jemalloc thread can deadlock a
+# fork (token_cache's worker pool) in any later test of this process
+ROUGE = """
+import json, sys
+from types import SimpleNamespace
+from rouge_score import rouge_scorer
+import eval as ev
+plain, mixed = json.loads(sys.stdin.read())
+scorer = rouge_scorer.RougeScorer(["rougeL"])  # lower-cases and drops punctuation: none in HYPS/REFS
+ours = rouge_scorer.RougeScorer(["rougeL"], tokenizer=SimpleNamespace(tokenize=ev.words))
+print(json.dumps([[scorer.score(r, h)["rougeL"].fmeasure for h, r in plain],
+                  [ours.score(r, h)["rougeL"].fmeasure for h, r in mixed]]))
+"""
+
+
 def test_rouge_l_equals_rouge_score():
-    scorer = rouge_scorer.RougeScorer(["rougeL"])  # lower-cases and drops punctuation: none in HYPS/REFS
-    for h, r in zip(HYPS, REFS):
-        assert ev.rouge_l(h, r) == pytest.approx(100 * scorer.score(r, h)["rougeL"].fmeasure, abs=1e-9)
-    ours = rouge_scorer.RougeScorer(["rougeL"], tokenizer=SimpleNamespace(tokenize=ev.words))
-    for h, r in zip(MIXED_HYPS, MIXED_REFS):
-        assert ev.rouge_l(h, r) == pytest.approx(100 * ours.score(r, h)["rougeL"].fmeasure, abs=1e-9)
+    pairs = [list(zip(HYPS, REFS)), list(zip(MIXED_HYPS, MIXED_REFS))]
+    done = subprocess.run([sys.executable, "-c", ROUGE], input=json.dumps(pairs), cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for expected, these in zip(json.loads(done.stdout), pairs):
+        for f, (h, r) in zip(expected, these, strict=True):
+            assert ev.rouge_l(h, r) == pytest.approx(100 * f, abs=1e-9)
     assert ev.rouge_l("秘鲁在南美洲", "秘鲁位于南美洲") == pytest.approx(100 * 2 * 5 / (6 + 7))
 
 
