@@ -1,18 +1,20 @@
 """
 Measured speed of every stage, through the real code: tokens/s, ms/step, MFU, peak memory and where a step's
-time goes for train_pretrain.py, train_sft.py and train_dpo.py (each run as it is, on synthetic data); KV-cache
-decoding against recomputation; tokenisation and batching throughput.
+time goes for train_pretrain.py, train_sft.py, train_dpo.py and train_grpo.py (each run as it is, on synthetic
+data); KV-cache decoding against recomputation; a group of RL completions sampled together against one by one;
+tokenisation and batching throughput.
 
     python bench.py configs/26m.py --mode=train --batch_size=8 --variants "dtype=float32" "dtype=bfloat16"
     python bench.py configs/26m.py --mode=sft --batch_size=8
     python bench.py configs/26m.py --mode=dpo --batch_size=4      # on-the-fly vs precomputed reference
     python bench.py configs/26m.py --mode=lora --batch_size=8     # full fine-tuning vs LoRA, SFT and DPO
+    python bench.py configs/26m.py --mode=grpo --batch_size=2 --group_size=8 --max_new_tokens=64  # rollouts
     python bench.py configs/26m.py --mode=generate                 # batch 1 and 8, 256 new tokens
     python bench.py configs/26m.py --mode=data --batch_size=8
     python bench.py configs/26m.py --mode=serve                    # serve.py: 1 client alone, then 8 at once
 
-Bench's own keys are those of Bench below; every other --key=value goes to the training script (sft/dpo: model keys
-shape the random-init checkpoint they start from; generate/data: model, batch_size, device, dtype); --help lists
+Bench's own keys are those of Bench below; every other --key=value goes to the training script (sft/dpo/grpo: model
+keys shape the random-init checkpoint they start from; generate/data: model, batch_size, device, dtype); --help lists
 both. A variant is a space-separated list of key=value overrides on top of those; each runs in a fresh subprocess,
 so its peak memory (CUDA max allocated, or peak RSS on the CPU) is its own. The script runs `steps` warm-up steps,
 then `steps` more, each logged (and timed) on its own: tokens/s, ms/step, MFU and the time split are those of the
@@ -29,6 +31,7 @@ import os
 import platform
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,10 +42,12 @@ import urllib.request
 import torch
 
 import demo_data
-from config import DPOConfig, PretrainConfig, SFTConfig, help_text, load_config, read_config_file
+from checkpoint import model_from_checkpoint
+from config import DPOConfig, GRPOConfig, PretrainConfig, SFTConfig, help_text, load_config, read_config_file
 from data import Loader, PretrainData
-from engine import generate
+from engine import generate, prompt_ids
 from errors import ConfigError, cli
+from grpo import rollout
 from lora import add_lora, trainable_params
 from metrics import measure_peak_flops
 from model import ModelConfig, Transformer
@@ -54,11 +59,13 @@ from tokenizer import load_tokenizer
 @dataclasses.dataclass
 class Bench:
     # --- what to measure
-    mode: str = "train"  # train | sft | dpo | lora | generate | data | serve
+    mode: str = "train"  # train | sft | dpo | lora | grpo | generate | data | serve
     steps: int = 5  # steps 1..N warm up (allocations settle), N+1..2N are timed one by one
     peak_repeats: int = 3  # measure_peak_flops runs before the first variant and after each (unless --peak_flops)
     # --- mode=lora
     lora_rank: int = 8  # the LoRA runs' adapters (their alpha and targets: lora_alpha, lora_targets)
+    # --- mode=grpo
+    group_repeats: int = 5  # rounds of a group of completions sampled together, then the same number one by one
     # --- mode=generate and mode=serve
     prompt_tokens: int = 64
     new_tokens: int = 256
@@ -71,7 +78,7 @@ class Bench:
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = {"train": ("train_pretrain.py", PretrainConfig), "sft": ("train_sft.py", SFTConfig),
-           "dpo": ("train_dpo.py", DPOConfig)}  # each mode's script, and its keys
+           "dpo": ("train_dpo.py", DPOConfig), "grpo": ("train_grpo.py", GRPOConfig)}  # each mode's script, its keys
 DEFAULT_VARIANTS = {"dpo": ["precompute_ref=False", "precompute_ref=True"]}
 GENERATE_BATCH_SIZES = (1, 8)
 NEVER = 10**9  # an eval/save interval the run never reaches: it evaluates (1 batch) and saves only at the end
@@ -98,8 +105,8 @@ def print_help(argv: list[str]):
     schemas = stage_schemas(bench.mode)
     script = SCRIPTS.get("sft" if bench.mode == "lora" else bench.mode, SCRIPTS["train"])[0]
     keys = help_text((Bench, *schemas), ()).split("\n", 1)[1]  # without its usage line, which knows no variants
-    print(f"{USAGE}\nBench's keys, then those of {script} and the model (--mode=sft --help, "
-          f"--mode=dpo --help: theirs); a variant sets the latter.\n{keys}")
+    print(f"{USAGE}\nBench's keys, then those of {script} and the model (--mode=sft --help, --mode=dpo --help, "
+          f"--mode=grpo --help: theirs); a variant sets the latter.\n{keys}")
 
 
 def parse_args(argv: list[str]) -> tuple[Bench, list[str], list[str]]:
@@ -121,7 +128,7 @@ def parse_args(argv: list[str]) -> tuple[Bench, list[str], list[str]]:
         variants, argv = argv[i + 1 : end + 1], argv[:i] + argv[end + 1 :]
     (bench,) = load_config([a for a in argv if key(a) in keys(Bench)], Bench)
     if bench.mode not in (*SCRIPTS, "lora", "generate", "data", "serve"):
-        raise ConfigError(f"mode must be train, sft, dpo, lora, generate, data or serve, got {bench.mode!r}")
+        raise ConfigError(f"mode must be train, sft, dpo, lora, grpo, generate, data or serve, got {bench.mode!r}")
     flags += [a for a in argv if key(a) not in keys(Bench)]
     variants = variants or DEFAULT_VARIANTS.get(bench.mode, [""])
     for variant in variants:
@@ -136,7 +143,7 @@ def variant_flags(variant: str) -> list[str]:
 def resolve(mode: str, flags: list[str]):
     """(script config, model config) the flags give; an unknown key is an error that names it."""
     schema = stage_schemas(mode)[0]
-    if mode not in ("sft", "dpo", "lora"):
+    if mode not in ("sft", "dpo", "lora", "grpo"):
         return load_config(flags, schema, ModelConfig)
     unknown = {key(f) for f in flags} - keys(schema, ModelConfig)
     if unknown:
@@ -147,7 +154,8 @@ def resolve(mode: str, flags: list[str]):
 
 class Synthetic:
     """Demo-style bilingual text (demo_data.py) as pretraining documents, conversations and DPO pairs of
-    random lengths up to a limit in tokens, written as the JSONL the scripts read."""
+    random lengths up to a limit in tokens, and sums to work out as RL prompts, written as the JSONL the scripts
+    read."""
 
     def __init__(self, tokenizer, seed: int = 1337):
         self.tok, self.rng = tokenizer, random.Random(seed)
@@ -183,19 +191,28 @@ class Synthetic:
         lengths = [self.rng.randint(min(8, limit), max(1, limit)) for limit in limits]
         return dict(zip(("prompt", "chosen", "rejected"), map(self.text, lengths)))
 
+    def sum_prompt(self) -> dict:
+        """An RL prompt whose answer (reward=answer) is a number: "What is 28 plus 65?", "请计算34+66。"."""
+        a, b = self.rng.randint(1, 99), self.rng.randint(1, 99)
+        question, _ = demo_data.sum_qa(a, b, self.rng.choice(("en", "zh")), self.rng)
+        return {"conversations": [{"role": "user", "content": question}], "answer": str(a + b)}
+
     def stage_data(self, mode: str, cfg, model_cfg, n_items: int) -> list[dict]:
-        """n_items training windows / conversations / pairs of the stage's maximum length."""
+        """n_items training windows / conversations / pairs of the stage's maximum length, or RL prompts."""
         if mode == "train":
             return self.documents(n_items * model_cfg.max_seq_len + model_cfg.max_seq_len)
         if mode == "sft":
             return [self.conversation(cfg.max_seq_len + 1) for _ in range(n_items)]
+        if mode == "grpo":
+            return [self.sum_prompt() for _ in range(n_items)]
         cfg = cfg.fit_lengths(model_cfg.max_seq_len)  # the prompt and answer lengths the script will use
         return [self.pair(cfg.max_prompt_length, cfg.max_completion_length) for _ in range(n_items)]
 
 
-def run_stage(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
-    """One variant of train/sft/dpo: synthetic data (and a random-init checkpoint to start from), the script
-    as a subprocess, then its metrics rows (one per step) -> the measured figures."""
+def timed_steps(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> tuple[list, dict]:
+    """One variant of train/sft/dpo/grpo: synthetic data (and a random-init checkpoint, tmp/init.pt, to start
+    from), the script as a subprocess -> (the timed steps as (metrics row, the step's seconds), the device, dtype
+    and matmul peak the script logged MFU against)."""
     mode, given = bench.mode, {key(f) for f in flags}
     cfg, model_cfg = resolve(mode, flags)
     run = setup(cfg.device, cfg.dtype, cfg.seed)
@@ -232,13 +249,24 @@ def run_stage(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_o
                            f"while steps {n + 1}..{2 * n} were timed: give it more data or fewer --steps")
     # a step's own interval: nothing but the step and its log line ran between two rows
     seconds = [row["elapsed_s"] - before["elapsed_s"] for before, row in zip(rows[n - 1 :], rows[n:])]
-    by_speed = sorted(zip(rows[n:], seconds), key=lambda pair: pair[0]["tokens_per_s"])
-    (fastest, fastest_s), (median, _) = by_speed[-1], by_speed[(len(by_speed) - 1) // 2]  # the lower median
+    return list(zip(rows[n:], seconds)), {"device": str(run.device), "dtype": run.dtype, "peak_flops": peak,
+                                          "peak_measured": not cfg.peak_flops}
+
+
+def fastest_and_median(steps: list, speed) -> tuple:
+    """The fastest of the timed steps by speed(step), and the median one (the lower median)."""
+    by_speed = sorted(steps, key=speed)
+    return by_speed[-1], by_speed[(len(by_speed) - 1) // 2]
+
+
+def run_stage(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
+    """One variant of train/sft/dpo: tokens/s, ms/step, MFU and time split of the fastest and the median step."""
+    steps, measured_on = timed_steps(bench, flags, tmp, synth, peak_of)
+    (fastest, fastest_s), (median, _) = fastest_and_median(steps, lambda step: step[0]["tokens_per_s"])
     return [{"tokens_per_s": fastest["tokens_per_s"], "tokens_per_s_median": median["tokens_per_s"],
              "ms_per_step": 1000 * fastest_s, "tokens_per_step": fastest["tokens_per_s"] * fastest_s,
-             "mfu": fastest["mfu"], "mfu_median": median["mfu"], "mem_gb": rows[-1]["mem_gb"],
-             **{k: v for k, v in fastest.items() if k.startswith("frac_")}, "device": str(run.device),
-             "dtype": run.dtype, "peak_flops": peak, "peak_measured": not cfg.peak_flops}]
+             "mfu": fastest["mfu"], "mfu_median": median["mfu"], "mem_gb": steps[-1][0]["mem_gb"],
+             **{k: v for k, v in fastest.items() if k.startswith("frac_")}, **measured_on}]
 
 
 def run_lora(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
@@ -261,6 +289,64 @@ def run_lora(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of
         (row,) = run_stage(dataclasses.replace(bench, mode=mode), flags + extra, f"{tmp}/{i}", synth, peak_of)
         rows.append({"run": f"{mode} {name}", "trainable_params": adapters if lora[0] in extra else full, **row})
     return rows
+
+
+def run_grpo(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
+    """train_grpo.py on sums to work out (reward=answer: random weights mostly score 0, and sample as fast as trained
+    ones; they rarely sample eos, so completions take all max_new_tokens): rollout tokens/s (the completion tokens a
+    step sampled per second of its rollout phase), ms/step and the step's split into rollout, reward and update
+    (forward, backward, optimizer) of the fastest and the median step by rollout tokens/s; then group_rollouts on
+    the model the run started from."""
+    cfg, _ = resolve("grpo", flags)
+    steps, _ = timed_steps(bench, flags, tmp, synth, peak_of)
+    completions = cfg.batch_size * cfg.accum_steps * cfg.group_size
+
+    def rollout_speed(step) -> float:  # frac_rollout: the rollout's share of the phases, all of a step but its log
+        row, seconds = step
+        return completions * row["completion_len"] / (row["frac_rollout"] * seconds)
+
+    fastest, median = fastest_and_median(steps, rollout_speed)
+    row, seconds = fastest
+    run = setup(cfg.device, cfg.dtype, cfg.seed)
+    init = cfg.init_from if "init_from" in {key(f) for f in flags} else f"{tmp}/init.pt"
+    model = model_from_checkpoint(init, run.device, flash=cfg.flash)[0].eval()
+    prompt = prompt_ids(synth.tok, synth.sum_prompt()["conversations"])
+    return [{"rollout_tokens_per_s": rollout_speed(fastest), "rollout_tokens_per_s_median": rollout_speed(median),
+             "ms_per_step": 1000 * seconds, "completion_len": row["completion_len"],
+             "frac_rollout": row["frac_rollout"], "frac_reward": row["frac_reward"],
+             "frac_update": row["frac_forward"] + row["frac_backward"] + row["frac_optimizer"],
+             "mem_gb": steps[-1][0]["mem_gb"], **group_rollouts(model, prompt, cfg, run, bench.group_repeats)}]
+
+
+def timed_rollouts(model, prompt: list[int], group_size: int, calls: int, new_tokens: int, cfg, run) -> tuple:
+    """(seconds, completion tokens) of `calls` grpo.rollout calls on one prompt, group_size completions each (decoded
+    together). No eos: every completion samples all new_tokens, so any split of a group samples as many."""
+    synchronize(run.device)
+    t0, tokens = time.perf_counter(), 0
+    with run.autocast():
+        for seed in range(calls):
+            rows = rollout(model, [prompt], [seed], group_size, new_tokens, None, cfg.temperature, cfg.top_p)
+            tokens += sum(len(row.tokens) for row in rows)
+    synchronize(run.device)
+    return time.perf_counter() - t0, tokens
+
+
+def group_rollouts(model, prompt: list[int], cfg, run, rounds: int) -> dict:
+    """group_size completions of one prompt sampled together (one rollout, as train_grpo.py samples them) against
+    one by one (group_size rollouts of one), max_new_tokens each, in turns -- together, one by one, together, ...
+    -- so that the machine's changing load hits both alike: the tokens each way samples, each way's median tokens/s,
+    and the min, median and max over the rounds of the ratio together / one by one."""
+    ways = {"group": (cfg.group_size, 1), "one_by_one": (1, cfg.group_size)}  # (group_size, calls)
+    for size, calls in ways.values():  # warm-up: first-call allocations and kernel choices
+        timed_rollouts(model, prompt, size, calls, min(8, cfg.max_new_tokens), cfg, run)
+    timed = [{way: timed_rollouts(model, prompt, *ways[way], cfg.max_new_tokens, cfg, run) for way in ways}
+             for _ in range(rounds)]  # [{way: (seconds, tokens)}] round by round
+    speeds = {way: [tokens / seconds for seconds, tokens in (t[way] for t in timed)] for way in ways}
+    ratios = sorted(group / alone for group, alone in zip(speeds["group"], speeds["one_by_one"]))
+    return {"group_tokens": timed[0]["group"][1], "one_by_one_tokens": timed[0]["one_by_one"][1],
+            "group_tokens_per_s": statistics.median(speeds["group"]),
+            "one_by_one_tokens_per_s": statistics.median(speeds["one_by_one"]),
+            "group_speedup": statistics.median(ratios), "group_speedup_min": ratios[0], "group_speedup_max": ratios[-1]}
 
 
 def timed_generation(model, prompt, new_tokens: int, use_cache: bool, run) -> tuple[float, float]:
@@ -451,8 +537,8 @@ def run_serve(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_o
         server.wait()
 
 
-RUNNERS = {"train": run_stage, "sft": run_stage, "dpo": run_stage, "lora": run_lora, "generate": run_generate,
-           "data": run_data, "serve": run_serve}
+RUNNERS = {"train": run_stage, "sft": run_stage, "dpo": run_stage, "lora": run_lora, "grpo": run_grpo,
+           "generate": run_generate, "data": run_data, "serve": run_serve}
 STAGE_COLUMNS = {"tokens_per_s": "{:.0f}", "tokens_per_s_median": "{:.0f}", "ms_per_step": "{:.0f}",
                  "mfu": "{:.2%}", "mfu_median": "{:.2%}", "mem_gb": "{:.2f}",
                  "frac_data": "{:.1%}", "frac_forward": "{:.1%}", "frac_backward": "{:.1%}", "frac_optimizer": "{:.1%}",
@@ -460,6 +546,11 @@ STAGE_COLUMNS = {"tokens_per_s": "{:.0f}", "tokens_per_s_median": "{:.0f}", "ms_
 COLUMNS = {"train": STAGE_COLUMNS, "sft": STAGE_COLUMNS, "dpo": STAGE_COLUMNS,
            "lora": {"run": "{}", "trainable_params": "{:,}", "tokens_per_s": "{:.0f}", "tokens_per_s_median": "{:.0f}",
                     "ms_per_step": "{:.0f}", "mem_gb": "{:.2f}", "other_load": "{:.2f}"},
+           "grpo": {"rollout_tokens_per_s": "{:.0f}", "rollout_tokens_per_s_median": "{:.0f}", "ms_per_step": "{:.0f}",
+                    "completion_len": "{:.0f}", "frac_rollout": "{:.1%}", "frac_reward": "{:.1%}",
+                    "frac_update": "{:.1%}", "mem_gb": "{:.2f}", "group_tokens_per_s": "{:.0f}",
+                    "one_by_one_tokens_per_s": "{:.0f}", "group_speedup": "{:.2f}x", "group_speedup_min": "{:.2f}x",
+                    "group_speedup_max": "{:.2f}x", "other_load": "{:.2f}"},
            "generate": {"batch_size": "{}", "prefill_tokens_per_s": "{:.0f}", "decode_tokens_per_s_cache": "{:.1f}",
                         "decode_tokens_per_s_recompute": "{:.1f}", "cache_speedup": "{:.1f}x",
                         "other_load": "{:.2f}"},

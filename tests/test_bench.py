@@ -1,5 +1,5 @@
-"""bench.py: each mode (training, generation, DPO, data, serving, LoRA) runs the real code and ends with a JSON row,
-MFU against the best peak sampled around each variant; --help, and a user's mistake as one error line."""
+"""bench.py: each mode (training, generation, DPO, GRPO, data, serving, LoRA) runs the real code and ends with a
+JSON row, MFU against the best peak sampled around each variant; --help, and a user's mistake as one error line."""
 import json
 import subprocess
 import sys
@@ -10,9 +10,11 @@ import torch
 
 import bench
 import demo_data
-from conftest import REPO, TINY_MODEL
+from conftest import REPO, TINY_MODEL, tiny
+from config import GRPOConfig
 from errors import ConfigError
 from model import Transformer
+from runtime import Run
 from token_cache import encode_dpo
 from tokenizer import load_tokenizer
 
@@ -83,9 +85,6 @@ def test_generate_mode_cached_and_recomputed(capsys):
 
 def test_generation_reads_each_clock_after_the_device_has_finished(monkeypatch):
     """On a GPU the host queues kernels and runs ahead: a clock read without synchronising times the queueing."""
-    from conftest import tiny
-    from runtime import Run
-
     events = []
     monkeypatch.setattr(bench, "synchronize", lambda device: events.append("sync"))
     monkeypatch.setattr(bench.time, "perf_counter", lambda: events.append("clock") or float(len(events)))
@@ -100,6 +99,35 @@ def test_dpo_mode_measures_both_reference_paths(capsys):
     rows = last_json(capsys)["rows"]
     assert [row["variant"] for row in rows] == ["precompute_ref=False", "precompute_ref=True"]
     assert all(row["tokens_per_s"] > 0 and 0 < row["frac_forward"] < 1 for row in result["rows"])
+
+
+def test_grpo_mode_times_rollouts_the_step_split_and_a_group_against_one_by_one(capsys):
+    result = bench.main(["--mode=grpo", *TINY, "--max_seq_len=64", "--batch_size=2", "--group_size=3",
+                         "--max_new_tokens=6", "--steps=1", "--group_repeats=2"])
+    (row,) = last_json(capsys)["rows"]
+    assert row == json.loads(json.dumps(result["rows"][0]))
+    assert 0 < row["rollout_tokens_per_s_median"] <= row["rollout_tokens_per_s"] and row["ms_per_step"] > 0
+    assert row["frac_rollout"] + row["frac_reward"] + row["frac_update"] == pytest.approx(1.0)  # every phase
+    assert 0 < row["completion_len"] <= 6 and row["mem_gb"] > 0
+    assert row["group_tokens"] == row["one_by_one_tokens"] == 3 * 6  # no eos: every completion samples all 6
+    assert row["group_tokens_per_s"] > 0 and row["one_by_one_tokens_per_s"] > 0
+    assert row["group_speedup_min"] <= row["group_speedup"] <= row["group_speedup_max"]
+
+
+def test_group_rollouts_take_turns_and_sample_as_many_tokens_either_way(monkeypatch):
+    calls, real_rollout = [], bench.rollout
+
+    def rollout(model, prompts, seeds, group_size, new_tokens, *rest):
+        calls.append((group_size, new_tokens))
+        return real_rollout(model, prompts, seeds, group_size, new_tokens, *rest)
+
+    monkeypatch.setattr(bench, "rollout", rollout)
+    cfg = GRPOConfig(group_size=8, max_new_tokens=12)
+    measured = bench.group_rollouts(tiny().eval(), [5, 6, 7], cfg, Run(torch.device("cpu"), "float32"), rounds=3)
+    assert measured["group_tokens"] == measured["one_by_one_tokens"] == 8 * 12
+    # a short warm-up of each way, then together and one by one in turns
+    assert calls == [(8, 8)] + [(1, 8)] * 8 + ([(8, 12)] + [(1, 12)] * 8) * 3
+    assert measured["group_speedup_min"] <= measured["group_speedup"] <= measured["group_speedup_max"]
 
 
 def test_data_mode_tokenises_a_file_and_times_the_loader(capsys):
