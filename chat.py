@@ -78,7 +78,8 @@ def encode_llama2(tokenizer, conversations, system, max_len) -> tuple[list[int],
 #   <|im_start|>user\n{user}<|im_end|>\n
 #   <|im_start|>assistant\n<think>\n{reasoning}\n</think>\n\n{content}\n<tool_call>\n{call}\n</tool_call><|im_end|>\n
 #   <|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n
-# The generation prompt is the non-thinking one: <|im_start|>assistant\n<think>\n\n</think>\n\n
+# The generation prompt closes an empty think block (MiniMind's default), or with thinking on opens one for the model
+# to fill: <|im_start|>assistant\n<think>\n\n</think>\n\n, or <|im_start|>assistant\n<think>\n
 # Loss: everything the assistant writes, from <think> to its <|im_end|>; not the \n after it.
 TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
                 "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
@@ -86,6 +87,7 @@ TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with
                 "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
                 "<args-json-object>}\n</tool_call><|im_end|>\n")
 GENERATION_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+THINKING_PROMPT = "<|im_start|>assistant\n<think>\n"
 
 
 def json_field(value, what: str):
@@ -98,15 +100,18 @@ def json_field(value, what: str):
     return value
 
 
-def chatml_messages(conversations, system=None) -> tuple[list[dict], list | None]:
-    """Validate MiniMind's message fields -> (messages with tool_calls parsed, tools or None)."""
+def chatml_messages(conversations, system=None, tools=None) -> tuple[list[dict], list | None]:
+    """Validate MiniMind's message fields -> (messages with tool_calls parsed, tools or None). tools: given apart
+    from the messages (as OpenAI's API and apply_chat_template take them), not also on the system message."""
     if not isinstance(conversations, list) or not conversations:
         raise BadRecord("'conversations' must be a non-empty list of messages")
     if system is not None:
         if not isinstance(system, str) or conversations[0].get("role") == "system":
             raise BadRecord("'system' must be a string, and not given beside a system message")
         conversations = [{"role": "system", "content": system}] + conversations
-    messages, tools = [], None
+    if tools is not None and not isinstance(tools, list):
+        raise BadRecord("'tools' must be a list of function descriptions")
+    messages, given = [], tools
     for i, m in enumerate(conversations):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
             raise BadRecord(f"message {i} has unknown role {m.get('role') if isinstance(m, dict) else m!r}: "
@@ -116,8 +121,8 @@ def chatml_messages(conversations, system=None) -> tuple[list[dict], list | None
             if m.get(key) is not None and not isinstance(m[key], str):
                 raise BadRecord(f"message {i}: '{key}' must be a string")
         if m.get("tools"):
-            if i != 0 or role != "system":
-                raise BadRecord(f"message {i}: 'tools' belongs on the first message, a system message")
+            if i != 0 or role != "system" or given:
+                raise BadRecord(f"message {i}: 'tools' belongs on the first message, a system message, once")
             tools = json_field(m["tools"], f"message {i} 'tools'")
             if not isinstance(tools, list):
                 raise BadRecord(f"message {i}: 'tools' must be a list of function descriptions")
@@ -133,7 +138,7 @@ def chatml_messages(conversations, system=None) -> tuple[list[dict], list | None
         if role == "tool" and not any(p["role"] == "assistant" and p.get("tool_calls") for p in messages):
             raise BadRecord(f"message {i} is a tool result, but no assistant message before it calls a tool")
         messages.append(m)
-    return messages, tools
+    return messages, tools or None
 
 
 def split_reasoning(message) -> tuple[str, str]:
@@ -158,7 +163,7 @@ def data(text: str, loss: int = 0) -> tuple[str, int, bool]:
     return text, loss, False
 
 
-def chatml_pieces(messages: list[dict], tools: list | None) -> list[tuple[str, int, bool]]:
+def chatml_pieces(messages: list[dict], tools: list | None, thinking: bool = False) -> list[tuple[str, int, bool]]:
     """Messages -> [(text, carries loss, is markup)], in MiniMind's template."""
     pieces = system_pieces(messages[0] if messages[0]["role"] == "system" else None, tools)
     for i, m in enumerate(messages):
@@ -171,7 +176,7 @@ def chatml_pieces(messages: list[dict], tools: list | None) -> list[tuple[str, i
             last = i + 1 == len(messages) or messages[i + 1]["role"] != "tool"
             pieces += [markup("<|im_start|>user")] * first + tool_pieces(m) + [markup("<|im_end|>\n")] * last
     if messages[-1]["role"] != "assistant":
-        pieces.append(markup(GENERATION_PROMPT))
+        pieces.append(markup(THINKING_PROMPT if thinking else GENERATION_PROMPT))
     return pieces
 
 
@@ -211,7 +216,8 @@ def tool_pieces(message: dict) -> list[tuple[str, int, bool]]:
 def encode_pieces(tokenizer, pieces) -> tuple[list[int], list[int]]:
     """Pieces -> (ids, loss_mask). Markup is cut at added tokens; the text between two added tokens is encoded as
     one string (as the tokenizers library does), unless its loss changes inside it."""
-    added = re.compile("(" + "|".join(map(re.escape, sorted(tokenizer.added_tokens, key=len, reverse=True))) + ")")
+    names = sorted(getattr(tokenizer, "added_tokens", {}), key=len, reverse=True)
+    added = re.compile("(" + "|".join(map(re.escape, names)) + ")" if names else "(?!)")  # (?!): matches nothing
     runs: list[tuple[str | int, int]] = []  # (text to encode, or an added token's id; its loss)
     for value, loss, is_markup in pieces:
         for k, part in enumerate(added.split(value) if is_markup else [value]):
@@ -229,27 +235,43 @@ def encode_pieces(tokenizer, pieces) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def encode_chatml(tokenizer, conversations, system, max_len) -> tuple[list[int], list[int]]:
-    messages, tools = chatml_messages(conversations, system)
+def encode_chatml(tokenizer, conversations, system, max_len, tools=None, thinking=False):
+    messages, tools = chatml_messages(conversations, system, tools)
     head = messages[:1] if messages[0]["role"] == "system" else []
     turns = [len(head)] + [i for i, m in enumerate(messages) if m["role"] == "user" and i > len(head)]
     for first in turns:  # too long: drop whole earliest turns (a turn starts at a user message)
-        ids, mask = encode_pieces(tokenizer, chatml_pieces(head + messages[first:], tools))
+        ids, mask = encode_pieces(tokenizer, chatml_pieces(head + messages[first:], tools, thinking))
         if max_len is None or len(ids) <= max_len:
             break
     return ids, mask
 
 
-def encode_chat(tokenizer, conversations, system=None, max_len=None) -> tuple[list[int], list[int]]:
+def tool_results_ids(tokenizer, results: list[str], thinking: bool = False) -> list[int]:
+    """What follows an assistant turn that called tools and ended with <|im_end|>: its tool results (one per call,
+    in one user turn) and the next generation prompt -- the ids encode_chat gives after that turn."""
+    if tokenizer.chat_template != "chatml":
+        raise DataError("this tokenizer's chat template cannot show tool results: tools need MiniMind's ChatML one")
+    pieces = [markup("\n<|im_start|>user")] + [p for r in results for p in tool_pieces({"content": r})]
+    pieces += [markup("<|im_end|>\n"), markup(THINKING_PROMPT if thinking else GENERATION_PROMPT)]
+    return encode_pieces(tokenizer, pieces)[0]
+
+
+def encode_chat(tokenizer, conversations, system=None, max_len=None, tools=None,
+                thinking=False) -> tuple[list[int], list[int]]:
     """Messages -> (input_ids, loss_mask) in the tokenizer's chat template, loss_mask 1 exactly on what the
     assistant writes and its end-of-turn token (</s> or <|im_end|>). Messages that do not end with the
     assistant end with the generation prompt (... [/INST] or <|im_start|>assistant ...).
     Too long for max_len: whole earliest turns are dropped (the system prompt stays);
-    a last turn that alone is too long is cut at the end (its answer then lacks its end-of-turn token)."""
+    a last turn that alone is too long is cut at the end (its answer then lacks its end-of-turn token).
+    tools: function descriptions given apart from the messages; thinking: the generation prompt opens a think
+    block (MiniMind's open_thinking, transformers' enable_thinking); both need the ChatML template."""
     if tokenizer.chat_template == "llama2":
+        if tools or thinking:
+            raise DataError(f"this tokenizer's [INST] chat template cannot show {'tools' if tools else 'thinking'} "
+                            "(a tokenizer with MiniMind's ChatML template can)")
         ids, mask = encode_llama2(tokenizer, conversations, system, max_len)
     elif tokenizer.chat_template == "chatml":
-        ids, mask = encode_chatml(tokenizer, conversations, system, max_len)
+        ids, mask = encode_chatml(tokenizer, conversations, system, max_len, tools, thinking)
     else:
         raise DataError("this tokenizer's chat_template (tokenizer_config.json) is neither ChatML nor absent: "
                         "nanomind renders only ChatML (MiniMind's) and its own [INST] template")

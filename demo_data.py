@@ -316,3 +316,46 @@ def eval_questions(rng, countries, pairs) -> list[dict]:
         q, ans = sum_qa(a, b, lang, rng)
         evals.append({"kind": "sum", "lang": lang, "question": q, "answer": ans})
     return evals
+
+
+# Tool use (tools.py): products of two numbers, which the model cannot work out itself, answered by calling the
+# calculator and stating its result. SFT and RL ask about different numbers; the model learns the call's form and
+# to copy numbers from the question into it and from the result into the answer.
+TOOL_Q = ["What is {a} times {b}?", "What is {a} multiplied by {b}?", "Multiply {a} by {b}.",
+          "What is the product of {a} and {b}?", "{a}乘以{b}等于多少？", "请计算{a}乘{b}。", "{a}和{b}的乘积是多少？"]
+TOOL_A = {"en": "{a} × {b} = {p}.", "zh": "{a}乘以{b}等于{p}。"}
+
+
+def tool_record(a: int, b: int, question: str, tools: list[dict], answered: bool = True) -> dict:
+    """A tool-calling conversation in MiniMind's layout (tools on the system message): the question, the call,
+    the calculator's result, the answer; answered=False: up to the question, with "answer" for RL and eval."""
+    lang = "zh" if any("\u4e00" <= ch <= "\u9fff" for ch in question) else "en"
+    messages = [{"role": "system", "content": "You are a helpful assistant.", "tools": tools},
+                {"role": "user", "content": question}]
+    if not answered:
+        return {"conversations": messages, "answer": str(a * b)}
+    call = {"name": "calculate_math", "arguments": {"expression": f"{a} * {b}"}}
+    return {"conversations": messages + [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": json.dumps({"result": a * b})},
+        {"role": "assistant", "content": TOOL_A[lang].format(a=a, b=b, p=a * b)}]}
+
+
+PRODUCT_EN = ["{a} × {b} = {p}.", "{a} times {b} is {p}.", "The product of {a} and {b} is {p}.",
+              "Multiply {a} by {b} and you get {p}.", "What is {a} times {b}? It is {p}.", "calculate_math({a} * {b}) = {p}."]
+PRODUCT_ZH = ["{a}乘以{b}等于{p}。", "{a}和{b}的乘积是{p}。", "{a}乘{b}得{p}。", "{a}乘以{b}等于多少？等于{p}。"]
+
+
+def product_document(rng) -> str:
+    """Pretraining text for the tool task: a product stated two to four times, so that the model learns to copy
+    numbers from one place to the next (it cannot learn the products: a tool computes them)."""
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    return " ".join(rng.choice(PRODUCT_EN + PRODUCT_ZH).format(a=a, b=b, p=a * b) for _ in range(rng.randint(2, 4)))
+
+
+def tool_pairs(rng, n: int, low: int = 10, high: int = 99) -> list[tuple[int, int]]:
+    """n distinct pairs of numbers in [low, high]."""
+    pairs = set()
+    while len(pairs) < n:
+        pairs.add((rng.randint(low, high), rng.randint(low, high)))
+    return sorted(pairs)

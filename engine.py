@@ -284,8 +284,8 @@ def decode(model, rows: list[Row]) -> list[Row]:
     by_length: dict[int, list[Row]] = {}
     for row in rows:
         by_length.setdefault(len(row.prompt), []).append(row)
-    for same_length in by_length.values():
-        engine.add(same_length)
+    for length in sorted(by_length):  # rows sharing a Sampling draw in an order of their own: length, then place
+        engine.add(by_length[length])
     while engine.rows:
         engine.step()
     for row in rows:
@@ -322,13 +322,15 @@ def answer_text(tokenizer, row: Row) -> str:
 # -----------------------------------------------------------------------------
 # prompts and text
 
-def prompt_ids(tokenizer, messages: list[dict] | str, system: str | None = None, max_len: int | None = None):
-    """The ids to generate from: messages in the tokenizer's chat template, ending with its generation prompt
-    (the earliest turns dropped to fit max_len); or a text to continue, after <s> (its beginning dropped)."""
+def prompt_ids(tokenizer, messages: list[dict] | str, system: str | None = None, max_len: int | None = None,
+               tools: list | None = None, thinking: bool = False):
+    """The ids to generate from: messages in the tokenizer's chat template (with tools offered, and the think
+    block opened or closed), ending with its generation prompt (the earliest turns dropped to fit max_len); or a
+    text to continue, after <s> (its beginning dropped)."""
     if isinstance(messages, str):
         ids = [tokenizer.bos_id] + tokenizer.encode(messages)
         return ids[-max_len:] if max_len is not None else ids
-    ids, _ = encode_chat(tokenizer, messages, system, max_len=max_len)
+    ids, _ = encode_chat(tokenizer, messages, system, max_len=max_len, tools=tools, thinking=thinking)
     return ids
 
 

@@ -8,6 +8,7 @@ and DPO pairs never mention the held-out countries and sums; eval.jsonl asks abo
 measures whether SFT taught the model to answer in the chat template with what pretraining knew.
 
     python prepare_demo.py            # -> data/demo/{pretrain,sft,dpo,dpo_eval,eval,eval_sft,grpo,grpo_eval}.jsonl
+                                      #    and data/demo/tools_{pretrain,sft,rl,eval}.jsonl (the calculator task)
 
 It is synthetic: real training uses MiniMind-format files (see README).
 """
@@ -15,7 +16,9 @@ import argparse
 import os
 import random
 
-from demo_data import conversation, documents, double_prompts, dpo_pair, eval_questions, split_world, write_jsonl
+from demo_data import (TOOL_Q, conversation, documents, double_prompts, dpo_pair, eval_questions, product_document,
+                       split_world, tool_pairs, tool_record, write_jsonl)
+from tools import load_toolbox
 
 
 def main(argv=None):
@@ -29,6 +32,10 @@ def main(argv=None):
     p.add_argument("--sft", type=int, default=8000, help="SFT conversations")
     p.add_argument("--dpo", type=int, default=3000, help="DPO pairs")
     p.add_argument("--eval_sums", type=int, default=150, help="held-out sum questions in eval.jsonl")
+    p.add_argument("--tool_docs", type=int, default=20000, help="pretraining documents of the tool task")
+    p.add_argument("--tool_sft", type=int, default=3000, help="tool-calling conversations (products of two numbers)")
+    p.add_argument("--tool_rl", type=int, default=600, help="tool-use RL prompts, about other products")
+    p.add_argument("--tool_eval", type=int, default=100, help="held-out tool-use prompts")
     args = p.parse_args(argv)
 
     rng = random.Random(args.seed)
@@ -54,8 +61,23 @@ def main(argv=None):
     random.Random(args.seed + 2).shuffle(rl_train)  # mixed in the file, so that its last val_fraction is any
     write_jsonl(f"{args.out_dir}/grpo.jsonl", rl_train)
     write_jsonl(f"{args.out_dir}/grpo_eval.jsonl", rl_eval)
+    # tool use: products of two-digit numbers, which the model answers by calling the calculator; SFT, RL and the
+    # evaluation each ask about their own products (a stream of its own again)
+    rng = random.Random(args.seed + 3)
+    schemas = load_toolbox("calculate_math").schemas
+    pairs = tool_pairs(rng, args.tool_sft + args.tool_rl + args.tool_eval)
+    rng.shuffle(pairs)
+    ask = lambda a, b: rng.choice(TOOL_Q).format(a=a, b=b)  # noqa: E731
+    sft_pairs, rl_pairs = pairs[: args.tool_sft], pairs[args.tool_sft : args.tool_sft + args.tool_rl]
+    write_jsonl(f"{args.out_dir}/tools_pretrain.jsonl", ({"text": product_document(rng)} for _ in range(args.tool_docs)))
+    write_jsonl(f"{args.out_dir}/tools_sft.jsonl", [tool_record(a, b, ask(a, b), schemas) for a, b in sft_pairs])
+    write_jsonl(f"{args.out_dir}/tools_rl.jsonl", [tool_record(a, b, ask(a, b), schemas, False) for a, b in rl_pairs])
+    write_jsonl(f"{args.out_dir}/tools_eval.jsonl", [tool_record(a, b, ask(a, b), schemas, False)
+                                                     for a, b in pairs[args.tool_sft + args.tool_rl :]])
     print(f"wrote {args.out_dir}/: {len(docs)} pretraining documents, {args.sft} conversations, "
-          f"{args.dpo} + 200 DPO pairs, {len(evals)} held-out questions, {len(rl_train)} + {len(rl_eval)} RL prompts")
+          f"{args.dpo} + 200 DPO pairs, {len(evals)} held-out questions, {len(rl_train)} + {len(rl_eval)} RL prompts, "
+          f"{args.tool_docs} + {args.tool_sft} + {args.tool_rl} + {args.tool_eval} tool-task documents, conversations and "
+          "prompts")
 
 
 if __name__ == "__main__":

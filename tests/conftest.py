@@ -103,6 +103,30 @@ def tiny_sft(demo_dir, tiny_pretrained, tmp_path_factory):
     return out / "best.pt"
 
 
+TOOLS_CONTEXT = 352  # the demo's calculator conversations: ~340 tokens, most of them the tools block
+
+
+@pytest.fixture(scope="session")
+def tiny_tools(demo_dir, tmp_path_factory):
+    """A tiny ChatML model fine-tuned on 16 of the demo's tool-calling conversations until it knows them: asked
+    one of their questions ("What is 37 times 48?") it calls calculate_math with the two numbers, reads the result
+    and states it."""
+    import train_pretrain
+    import train_sft
+
+    out = tmp_path_factory.mktemp("tools")
+    with open(demo_dir / "tools_sft.jsonl", encoding="utf-8") as f:
+        write_jsonl(out / "tools_16.jsonl", [json.loads(line) for line in list(f)[:16]])
+    train_pretrain.main([f"--data_path={demo_dir}/pretrain.jsonl", f"--out_dir={out}/pretrain", *TINY_RUN,
+                         "--dim=64", "--n_layers=2", "--n_heads=4", "--n_kv_heads=2", f"--max_seq_len={TOOLS_CONTEXT}",
+                         "--batch_size=4", "--max_steps=1", "--eval_interval=1"])
+    train_sft.main([f"--init_from={out}/pretrain/best.pt", f"--data_path={out}/tools_16.jsonl", f"--out_dir={out}/sft",
+                    *TINY_RUN, "--batch_size=8", "--lr=1e-2", "--min_lr=1e-3", "--warmup_steps=10", "--max_steps=200",
+                    "--eval_interval=200", "--val_data_path=" + str(out / "tools_16.jsonl"), "--log_interval=50",
+                    "--early_stopping_patience=1000", f"--max_seq_len={TOOLS_CONTEXT}"])
+    return out / "sft" / "best.pt"
+
+
 # --- tiny runs of the scripts ---------------------------------------------------------------------
 
 def pretrain(demo_dir, out_dir, *flags):

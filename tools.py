@@ -1,0 +1,373 @@
+"""
+Tool use: the calls a model writes, the tools that answer them, and generation that runs them between turns.
+
+    reply = parse_reply(text)              # -> Reply(reasoning, content, calls, malformed)
+    toolbox = load_toolbox("builtin")      # calculate_math, unit_converter, get_current_time; or a file.py / module
+    toolbox.run("calculate_math", {"expression": "37*48"})    # -> '{"result": 1776}'
+    converse(model, tokenizer, [(ids, messages, sampling)], toolbox, max_turns=3, max_new_tokens=64)
+
+In MiniMind's template a call is a JSON object inside <tool_call></tool_call>:
+    <tool_call>\\n{"name": "calculate_math", "arguments": {"expression": "37*48"}}\\n</tool_call>
+A block whose JSON is broken, or is not {name, arguments: object}, is not a call: it stays in the reply's
+content and is counted as malformed (a server returns it as text, a reward can punish it).
+The calculator parses arithmetic with ast and evaluates the tree itself: numbers, + - * / // % **, parentheses
+-- never eval, so nothing but arithmetic ever runs.
+"""
+import ast
+import dataclasses
+import datetime
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import operator
+import os
+import re
+import zoneinfo
+
+from chat import tool_results_ids
+from engine import Row, answer_text, decode
+from errors import ConfigError, DataError
+
+CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+
+
+@dataclasses.dataclass
+class Reply:
+    """An assistant turn's text taken apart."""
+    reasoning: str | None  # the think block's text (None: the turn has none)
+    content: str  # what is left for the user: the text without the think block and without its calls
+    calls: list[dict]  # [{"name": str, "arguments": dict}] in the order written
+    malformed: int  # <tool_call> blocks that are not calls (they stay in content), an unclosed one included
+
+
+def as_call(value) -> dict | None:
+    """{"name", "arguments": an object or its JSON text} (or OpenAI's {"function": {...}}) -> {"name", "arguments":
+    dict}, or None when it is not a call."""
+    value = value.get("function", value) if isinstance(value, dict) else value
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not NAME.fullmatch(value["name"]):
+        return None
+    arguments = value.get("arguments", {})
+    if isinstance(arguments, str):  # a model may write the arguments as a JSON string, as OpenAI's wire format does
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return None
+    return {"name": value["name"], "arguments": arguments} if isinstance(arguments, dict) else None
+
+
+def parse_call(block: str) -> dict | None:
+    """The text inside <tool_call></tool_call> -> {"name", "arguments": dict}, or None when it is not a call."""
+    try:
+        return as_call(json.loads(block))
+    except (ValueError, RecursionError):  # not JSON; a number of over 4300 digits; nested too deeply
+        return None
+
+
+def parse_reply(text: str) -> Reply:
+    """A generated turn -> its think block, its calls and the rest. The think block is what comes before the
+    last </think> (the generation prompt opened it, or the model wrote <think> itself)."""
+    reasoning = None
+    if "</think>" in text:
+        head, text = text.rsplit("</think>", 1)
+        reasoning = head.split("<think>")[-1].strip("\n")
+    calls, kept, malformed, end = [], [], 0, 0
+    for match in CALL.finditer(text):
+        call = parse_call(match.group(1).strip())
+        kept.append(text[end : match.start()] if call else text[end : match.end()])
+        malformed += call is None
+        calls += [call] if call else []
+        end = match.end()
+    rest = text[end:]
+    malformed += "<tool_call>" in rest  # a call that never closed
+    return Reply(reasoning, ("".join(kept) + rest).strip(), calls, malformed)
+
+
+def call_text(call: dict) -> str:
+    """A call as the template writes it (and a model trained on it does)."""
+    arguments = json.dumps(call["arguments"], ensure_ascii=False)
+    return f'<tool_call>\n{{"name": "{call["name"]}", "arguments": {arguments}}}\n</tool_call>'
+
+
+# -----------------------------------------------------------------------------
+# tool descriptions (OpenAI's function schema)
+
+JSON_TYPES = {"string": str, "number": (int, float), "integer": int, "boolean": bool, "object": dict, "array": list}
+
+
+def check_tools(tools, where: str = "tools") -> dict[str, dict]:
+    """OpenAI's [{"type": "function", "function": {"name", "description", "parameters"}}] -> {name: function};
+    anything else is a DataError naming the entry and field."""
+    if not isinstance(tools, list):
+        raise DataError(f"{where} must be a list of {{type: function, function: {{name, parameters}}}}")
+    functions = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise DataError(f"{where}[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise DataError(f"{where}[{i}].function.name must be 1-64 letters, digits, _ or -; got {name!r}")
+        if name in functions:
+            raise DataError(f"{where}[{i}]: a second function named {name!r}")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict) or params.get("type", "object") != "object" or \
+                not isinstance(params.get("properties", {}), dict) or not isinstance(params.get("required", []), list):
+            raise DataError(f"{where}[{i}].function.parameters must be a JSON schema of type object "
+                            "(properties an object, required a list)")
+        functions[name] = fn
+    return functions
+
+
+def call_problem(call: dict, functions: dict[str, dict]) -> str | None:
+    """Why a parsed call does not fit the functions offered (unknown name, a required argument missing, an
+    argument of the wrong JSON type), or None when it fits."""
+    fn = functions.get(call["name"])
+    if fn is None:
+        return f"unknown function {call['name']!r}"
+    params = fn.get("parameters") or {}
+    missing = [k for k in params.get("required", []) if k not in call["arguments"]]
+    if missing:
+        return f"{call['name']}: missing argument {missing[0]!r}"
+    for key, value in call["arguments"].items():
+        kind = JSON_TYPES.get((params.get("properties", {}).get(key) or {}).get("type"))
+        if kind and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
+            return f"{call['name']}: argument {key!r} is not of type {params['properties'][key]['type']}"
+    return None
+
+
+# -----------------------------------------------------------------------------
+# built-in tools, with MiniMind's names and arguments (its tool-calling data and models use them)
+
+OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+             ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+SIGNS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+MAX_MAGNITUDE = 1e100  # beyond this an answer is no use, and 9**9**9 would take the process's memory
+WRITTEN = {"×": "*", "÷": "/", "−": "-", "^": "**", "（": "(", "）": ")", "，": ","}  # how people write it
+
+
+def calculate(expression: str) -> int | float:
+    """The value of an arithmetic expression; anything else (names, calls, attributes, strings) is a ValueError."""
+    if len(expression) > 1000:
+        raise ValueError("the expression is over 1000 characters")
+    for written, python in WRITTEN.items():
+        expression = expression.replace(written, python)
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except (SyntaxError, RecursionError, MemoryError):
+        raise ValueError(f"not an arithmetic expression: {expression!r}") from None
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and type(node.op) in SIGNS:
+            return SIGNS[type(node.op)](value(node.operand))
+        if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) * math.log2(max(abs(left), 2)) > 340:  # > 2**340
+                raise ValueError("the result is too large")
+            result = OPERATORS[type(node.op)](left, right)  # ZeroDivisionError is the caller's to report
+            if isinstance(result, complex) or abs(result) > MAX_MAGNITUDE:
+                raise ValueError("the result is too large or not a real number")
+            return result
+        raise ValueError(f"only numbers and + - * / // % ** are allowed, not {ast.unparse(node)!r}")
+
+    try:
+        result = value(tree.body)
+    except RecursionError:
+        raise ValueError("the expression is nested too deeply") from None
+    return int(result) if isinstance(result, float) and result.is_integer() and abs(result) < 2**53 else result
+
+
+def calculate_math(expression: str) -> dict:
+    """Calculate an arithmetic expression, e.g. 37*48 or (2+3)**2.
+
+    Numbers, + - * / // % ** and parentheses."""
+    return {"result": calculate(expression)}
+
+
+UNITS = {  # unit -> (kind, its size in the kind's base unit)
+    "m": ("length", 1.0), "km": ("length", 1000.0), "cm": ("length", 0.01), "mm": ("length", 0.001),
+    "miles": ("length", 1609.344), "feet": ("length", 0.3048), "inches": ("length", 0.0254), "yards": ("length", 0.9144),
+    "kg": ("mass", 1.0), "g": ("mass", 0.001), "pounds": ("mass", 0.45359237), "ounces": ("mass", 0.028349523125),
+    "liters": ("volume", 1.0), "ml": ("volume", 0.001), "gallons": ("volume", 3.785411784),
+}
+UNIT_NAMES = {"mile": "miles", "mi": "miles", "foot": "feet", "ft": "feet", "inch": "inches", "in": "inches",
+              "yard": "yards", "yd": "yards", "meter": "m", "meters": "m", "kilometer": "km", "kilometers": "km",
+              "lb": "pounds", "lbs": "pounds", "pound": "pounds", "oz": "ounces", "ounce": "ounces", "l": "liters",
+              "liter": "liters", "gallon": "gallons", "c": "celsius", "°c": "celsius", "f": "fahrenheit",
+              "°f": "fahrenheit", "k": "kelvin", "公里": "km", "千米": "km", "米": "m", "厘米": "cm", "英里": "miles",
+              "千克": "kg", "公斤": "kg", "克": "g", "磅": "pounds", "摄氏度": "celsius", "华氏度": "fahrenheit"}
+TO_KELVIN = {"celsius": (1.0, 273.15), "fahrenheit": (5 / 9, 459.67 * 5 / 9), "kelvin": (1.0, 0.0)}  # k = a*x + b
+
+
+def unit_converter(value: float, from_unit: str, to_unit: str) -> dict:
+    """Convert a value from one unit to another, e.g. km to miles.
+
+    Length (km, m, cm, mm, miles, feet, inches, yards), mass (kg, g, pounds, ounces), volume (liters, ml, gallons),
+    temperature (celsius, fahrenheit, kelvin)."""
+    a, b = (UNIT_NAMES.get(u.strip().lower(), u.strip().lower()) for u in (from_unit, to_unit))
+    if a in TO_KELVIN and b in TO_KELVIN:
+        (sa, oa), (sb, ob) = TO_KELVIN[a], TO_KELVIN[b]
+        result = ((sa * value + oa) - ob) / sb
+    elif a in UNITS and b in UNITS and UNITS[a][0] == UNITS[b][0]:
+        result = value * UNITS[a][1] / UNITS[b][1]
+    else:
+        raise ValueError(f"cannot convert {from_unit!r} to {to_unit!r}")
+    return {"result": round(result, 6), "unit": b}
+
+
+def get_current_time(timezone: str = "UTC") -> dict:
+    """The current date and time in a time zone, e.g. Asia/Shanghai (default UTC)."""
+    try:
+        now = datetime.datetime.now(zoneinfo.ZoneInfo(timezone))
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"unknown time zone {timezone!r}") from None
+    return {"datetime": now.strftime("%Y-%m-%d %H:%M:%S"), "weekday": now.strftime("%A"), "timezone": timezone}
+
+
+BUILT_IN = [calculate_math, unit_converter, get_current_time]
+
+
+# -----------------------------------------------------------------------------
+# a toolbox: functions by name, with their descriptions
+
+PYTHON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
+
+
+def schema_of(fn) -> dict:
+    """A Python function -> its OpenAI description: the name, the docstring's first paragraph, and a parameter per
+    argument (its annotation's JSON type; required when it has no default)."""
+    properties, required = {}, []
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise ConfigError(f"tool {fn.__name__}: *args and **kwargs cannot be described to a model")
+        properties[p.name] = {"type": PYTHON_TYPES.get(p.annotation, "string")}
+        if p.default is p.empty:
+            required.append(p.name)
+    description = (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
+    return {"type": "function", "function": {"name": fn.__name__, "description": description, "parameters": {
+        "type": "object", "properties": properties, "required": required}}}
+
+
+class Toolbox:
+    """Tools a model may call: {name: Python function}, each described by schema_of (or by the schema given)."""
+
+    def __init__(self, functions: list, schemas: list[dict] | None = None):
+        self.functions = {fn.__name__: fn for fn in functions}
+        self.schemas = schemas if schemas is not None else [schema_of(fn) for fn in functions]
+        described = check_tools(self.schemas, "the toolbox's tools")
+        if set(described) != set(self.functions):
+            raise ConfigError(f"the tools described ({', '.join(described)}) are not the functions given "
+                              f"({', '.join(self.functions)})")
+
+    def run(self, name: str, arguments: dict) -> str:
+        """A call's result as the text the model reads (JSON): the function's return value, or {"error": ...}
+        when the tool is unknown, its arguments do not fit, or it raises."""
+        fn = self.functions.get(name)
+        if fn is None:
+            result = {"error": f"unknown tool {name!r}; the tools are {', '.join(self.functions)}"}
+        else:
+            try:
+                result = fn(**arguments)
+            except Exception as e:  # the model's mistake (a bad argument): it reads the error and may try again
+                result = {"error": f"{type(e).__name__}: {e}"}
+        return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
+
+
+def load_toolbox(spec: str) -> Toolbox:
+    """'builtin' (all three), built-in names (calculate_math,unit_converter), a file.py or an importable module:
+    its TOOLS list (functions) if it has one, else every public function it defines."""
+    built_in = {fn.__name__: fn for fn in BUILT_IN}
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    names = list(dict.fromkeys(b for n in names for b in (built_in if n == "builtin" else [n])))
+    if all(n in built_in for n in names) and names:
+        return Toolbox([built_in[n] for n in names])
+    if len(names) != 1:
+        unknown = next((n for n in names if n not in built_in), spec)
+        raise ConfigError(f"tools: unknown tool {unknown!r}; choose from builtin, {', '.join(built_in)}, or a "
+                          "file.py / module of your own functions")
+    try:
+        if spec.endswith(".py"):
+            module_spec = importlib.util.spec_from_file_location(os.path.basename(spec)[:-3], spec)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(spec)
+    except (ImportError, OSError) as e:
+        raise ConfigError(f"tools: cannot import {spec} ({e}); built-in tools are {', '.join(built_in)}") from None
+    functions = getattr(module, "TOOLS", None)
+    if functions is None:
+        functions = [f for n, f in vars(module).items() if inspect.isfunction(f) and not n.startswith("_")
+                     and f.__module__ == module.__name__]
+    if not functions or not all(callable(f) for f in functions):
+        raise ConfigError(f"tools: {spec} defines no functions (or its TOOLS list holds something else)")
+    return Toolbox(list(functions))
+
+
+# -----------------------------------------------------------------------------
+# generation with tools: a turn, its calls run, their results appended, the next turn, ...
+
+@dataclasses.dataclass
+class Trajectory:
+    """One conversation's turns after its prompt. ids alternate what the model wrote (a turn, its end-of-turn
+    token included) and what it read (the tool results and the next generation prompt): generated marks which."""
+    prompt: list[int]
+    messages: list[dict]  # the prompt's messages, then each earlier turn (assistant + tool_calls) and its results
+    ids: list[int] = dataclasses.field(default_factory=list)
+    generated: list[int] = dataclasses.field(default_factory=list)  # 1 on ids the model wrote, 0 on tool results
+    text: str = ""  # the last turn's text: the answer, or calls the turns ran out for
+    calls: int = 0  # calls run
+    malformed: int = 0  # <tool_call> blocks over all turns that were not calls
+    turns: int = 0
+    finish_reason: str | None = None  # "stop" (answered), "length" (a turn or the context ran out), "turns"
+
+
+def converse(model, tokenizer, prompts: list[tuple], toolbox: Toolbox, max_turns: int, max_new_tokens: int,
+             thinking: bool = False) -> list[Trajectory]:
+    """prompts: [(ids, messages, sampling)] -> a Trajectory each. Every conversation's turn decodes together with
+    the others' (engine.decode); a turn that ends by calling tools gets their results (toolbox.run) and goes on,
+    up to max_turns turns, each of at most max_new_tokens within the model's context. Rows that share a Sampling
+    draw in a fixed order of their own (prompt length, then place), whatever else decodes beside them."""
+    max_len = model.config.max_seq_len
+    trajectories = [Trajectory(list(ids), list(messages)) for ids, messages, _ in prompts]
+    active = [i for i, t in enumerate(trajectories) if len(t.prompt) < max_len]
+    for i in set(range(len(prompts))) - set(active):
+        trajectories[i].finish_reason = "length"
+    for turn in range(max_turns):
+        rows = []
+        for i in active:
+            context = trajectories[i].prompt + trajectories[i].ids
+            rows.append(Row(context, min(max_new_tokens, max_len - len(context)), prompts[i][2], tokenizer.eos_id))
+        if rows:
+            decode(model, rows)
+        going_on = []
+        for i, row in zip(active, rows):
+            t = trajectories[i]
+            t.ids += row.tokens
+            t.generated += [1] * len(row.tokens)
+            t.text, t.turns = answer_text(tokenizer, row), turn + 1
+            reply = parse_reply(t.text)
+            t.malformed += reply.malformed
+            if row.finish_reason != "stop" or not reply.calls:
+                t.finish_reason = row.finish_reason
+                continue
+            if turn + 1 == max_turns:
+                t.finish_reason = "turns"
+                continue
+            results = [toolbox.run(call["name"], call["arguments"]) for call in reply.calls]
+            more = tool_results_ids(tokenizer, results, thinking)
+            if len(t.prompt) + len(t.ids) + len(more) >= max_len:  # no room left to answer
+                t.finish_reason = "length"
+                continue
+            said = {"role": "assistant", "content": reply.content, "tool_calls": reply.calls}
+            t.messages += [said | ({"reasoning_content": reply.reasoning} if reply.reasoning else {})]
+            t.messages += [{"role": "tool", "content": r} for r in results]
+            t.ids += more
+            t.generated += [0] * len(more)
+            t.calls += len(reply.calls)
+            going_on.append(i)
+        active = going_on
+    return trajectories
