@@ -5,6 +5,7 @@ Serve a trained model: an OpenAI-compatible HTTP API and a chat page, on the sta
     python serve.py --ckpt out/dpo/best.pt --host 0.0.0.0 --api_key SECRET
 
     POST /v1/chat/completions   messages in the checkpoint's chat template; stream, stop, seed, max_tokens, ...
+                                tools and thinking (ChatML checkpoints): OpenAI's tool_calls, reasoning_content
     POST /v1/completions        a plain continuation of `prompt`
     GET  /v1/models, /health, / (the chat page, chat.html)
 
@@ -32,10 +33,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
+from chat import encode_pieces, markup
 from checkpoint import load_model
-from engine import Engine, Row, Sampling, TextStream, prompt_ids
+from engine import Engine, Row, Sampling, TextStream, borders, overlap, prompt_ids
 from errors import ConfigError, DataError, cli
 from runtime import DTYPES, open_device
+from tools import NAME, check_tools, parse_call
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -76,7 +79,9 @@ def parse_int(digits: str):
 
 COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "stream",
           "stream_options", "seed", "n", "user"}
-ENDPOINT_FIELDS = {"chat": COMMON | {"messages"}, "completion": COMMON | {"prompt"}}
+THINKING = ("enable_thinking", "open_thinking")  # transformers' and MiniMind's names for one switch
+CHAT = {"messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", *THINKING}
+ENDPOINT_FIELDS = {"chat": COMMON | CHAT, "completion": COMMON | {"prompt"}}
 
 
 KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "an object"}
@@ -132,11 +137,12 @@ def sampling_options(body: dict, endpoint: str, model_id: str, device: torch.dev
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """OpenAI messages -> the messages chat.encode_chat takes: content given as text parts is joined."""
+    """OpenAI messages -> the messages chat.encode_chat takes: content given as text parts is joined; an
+    assistant's tool_calls and a tool message's tool_call_id are checked (the call it answers came before)."""
     messages = get(body, "messages", list)
     if not messages:
         raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
-    out = []
+    out, call_ids = [], set()
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise APIError(400, f"messages[{i}] must be an object", "messages")
@@ -146,8 +152,93 @@ def chat_messages(body: dict) -> list[dict]:
                        for p in content):
                 raise APIError(400, f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(p["text"] for p in content)
-        out.append({k: v for k, v in m.items() if k != "name"} | {"content": content})
+        m = {k: v for k, v in m.items() if k != "name"} | {"content": content}
+        if m.get("tool_calls") == []:  # some clients send an empty list on every assistant message
+            del m["tool_calls"]
+        if m.get("tool_calls") is not None:
+            m["tool_calls"] = tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+            call_ids |= {call["id"] for call in m["tool_calls"]}
+        given = m.get("tool_call_id")
+        if m.get("role") == "tool" and not (isinstance(given, str) and given in call_ids):
+            raise APIError(400, f"messages[{i}].tool_call_id must be the id of a call an earlier assistant message "
+                                f"made; got {json.dumps(given)[:40] if given is not None else 'none'}", "messages")
+        out.append(m)
     return out
+
+
+def tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's tool_calls, OpenAI's [{id, type: function, function: {name, arguments: a JSON
+    object as a string}}], checked: the template writes the arguments string as it is."""
+    if not isinstance(calls, list):
+        raise APIError(400, f"{where} must be a list of {{id, type: function, function: {{name, arguments}}}}",
+                       "messages")
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or call.get("type", "function") != "function":
+            raise APIError(400, f"{at} must be {{id, type: function, function: {{name, arguments}}}}", "messages")
+        if not isinstance(call.get("id"), str):
+            raise APIError(400, f"{at}.id must be a string (a tool message names it in tool_call_id)", "messages")
+        if not isinstance(fn.get("name"), str) or not NAME.fullmatch(fn["name"]):
+            raise APIError(400, f"{at}.function.name must be 1-64 letters, digits, _ or -", "messages")
+        try:
+            arguments = json.loads(fn.get("arguments")) if isinstance(fn.get("arguments"), str) else None
+        except (ValueError, RecursionError):
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise APIError(400, f"{at}.function.arguments is not a JSON object (a string holding one, as this API "
+                                "returns it)", "messages")
+    return [{"id": c["id"], "type": "function", "function": {"name": c["function"]["name"],
+                                                             "arguments": c["function"]["arguments"]}} for c in calls]
+
+
+def tool_options(body: dict) -> tuple[list | None, bool, str]:
+    """tools and tool_choice -> (the tools to show, whether a reply's calls become tool_calls, the opening of a
+    call that tool_choice forces: the prompt ends with it, so the model can only go on with the call)."""
+    tools = get(body, "tools", list) or None
+    try:
+        functions = check_tools(tools, "tools") if tools else {}
+    except DataError as e:
+        raise APIError(400, str(e), "tools") from None
+
+    def out_of_range(value: OutOfRange):  # the template writes the tools with json.dumps
+        raise APIError(400, f"'tools' holds an integer of {len(value.digits)} digits", "tools", "out_of_range")
+
+    try:
+        json.dumps(tools, default=out_of_range)
+    except RecursionError:
+        raise APIError(400, "'tools' is nested too deeply", "tools") from None
+    get(body, "parallel_tool_calls", bool)  # taken, not enforced: a turn may make one call or several
+    choice = get(body, "tool_choice", (str, dict), "auto")
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            choice = None  # the error below
+        elif name not in functions:
+            raise APIError(400, f"'tool_choice' names the function {json.dumps(name)[:70]}, which is not among "
+                                f"'tools' ({', '.join(functions) or 'none given'})", "tool_choice")
+    if choice not in ("auto", "none", "required") and not isinstance(choice, dict):
+        raise APIError(400, "'tool_choice' must be \"auto\", \"none\", \"required\" or "
+                            "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if choice == "required" and not functions:
+        raise APIError(400, "'tool_choice' \"required\" needs 'tools'", "tool_choice")
+    # a named call's opening ends at "arguments": where the template's text splits into the same tokens
+    opening = {"required": "<tool_call>\n"}.get(choice, "") if isinstance(choice, str) else \
+        f'<tool_call>\n{{"name": "{choice["function"]["name"]}", "arguments":'
+    return tools, bool(functions) and choice != "none", opening
+
+
+def thinking_option(body: dict) -> tuple[bool, str]:
+    """enable_thinking, open_thinking or chat_template_kwargs' either: any true opens the think block -> (on,
+    the field that says so)."""
+    kwargs = get(body, "chat_template_kwargs", dict, {})
+    for key, value in kwargs.items():
+        if key not in THINKING or not isinstance(value, bool):
+            raise APIError(400, f"'chat_template_kwargs.{key[:40]}': this server takes enable_thinking and "
+                                "open_thinking there, each true or false", "chat_template_kwargs")
+    on = [name for name in THINKING if get(body, name, bool, False)] + ["chat_template_kwargs"] * any(kwargs.values())
+    return bool(on), on[0] if on else ""
 
 
 # -----------------------------------------------------------------------------
@@ -231,6 +322,116 @@ class Scheduler:
 
 
 # -----------------------------------------------------------------------------
+# a chat answer taken apart as it grows: reasoning, content, tool calls
+
+class Trimmed:
+    """Text sent in pieces as if stripped of chars at both ends (None: whitespace, "": nothing): the leading ones
+    dropped, trailing ones held until more text follows them."""
+
+    def __init__(self, chars: str | None):
+        self.chars, self.started, self.held = chars, False, ""
+
+    def add(self, text: str) -> str:
+        text = self.held + text if self.started else text.lstrip(self.chars)
+        body = text.rstrip(self.chars)
+        self.held, self.started = text[len(body):], self.started or bool(body)
+        return body
+
+
+class ReplyStream:
+    """A chat answer's text pieces -> its parts as soon as they are certain: ("reasoning", text) before </think>
+    (thinking on: the prompt opened the block), ("content", text), and ("call", {index, id, name, arguments}) for
+    each <tool_call> block that is a call (calls on; tools.parse_call's rule: a broken one stays content).
+    Text that may still become </think> or a call is held back. The parts join to what tools.parse_reply makes
+    of the whole text (with one think block); a plain answer is taken apart here too, so it is its stream's."""
+
+    THINK_END, OPEN, CLOSE = "</think>", "<tool_call>", "</tool_call>"
+    BORDERS = {THINK_END: borders(THINK_END), OPEN: borders(OPEN)}
+
+    def __init__(self, thinking: bool = False, calls: bool = False, opening: str = ""):
+        self.thinking, self.calls = thinking, calls
+        self.in_think = thinking
+        self.pending = opening  # text not yet sent: a forced call's opening (the prompt ends with it) comes first
+        # taken apart, content is stripped (as parse_reply strips it); otherwise it is the text as generated
+        self.trimmed = {"reasoning": Trimmed("\n"), "content": Trimmed(None if thinking or calls else "")}
+        self.n_calls = 0
+
+    def feed(self, text: str) -> list[tuple[str, str | dict]]:
+        self.pending += text
+        parts = []
+        if self.in_think:
+            end = self.pending.find(self.THINK_END)
+            if end < 0:
+                return self.send("reasoning", len(self.pending) - self.may_begin(self.THINK_END))
+            parts += self.send("reasoning", end)
+            self.pending, self.in_think = self.pending[len(self.THINK_END):], False
+        while self.calls and (start := self.pending.find(self.OPEN)) >= 0:
+            parts += self.send("content", start)
+            end = self.pending.find(self.CLOSE)  # the first one after the opening, as parse_reply's regex matches
+            if end < 0:
+                return parts  # held until its </tool_call> comes
+            block, self.pending = self.pending[: end + len(self.CLOSE)], self.pending[end + len(self.CLOSE):]
+            try:
+                call = parse_call(block[len(self.OPEN) : -len(self.CLOSE)].strip())
+            except (ValueError, RecursionError):  # a number past int's digit limit, JSON nested too deep
+                call = None
+            if call is None:
+                parts += self.trim("content", block)
+                continue
+            self.n_calls += 1
+            parts.append(("call", {"index": self.n_calls - 1, "id": f"call_{uuid.uuid4().hex[:24]}",
+                                   "name": call["name"],
+                                   "arguments": json.dumps(call["arguments"], ensure_ascii=False)}))
+        return parts + self.send("content", len(self.pending) - (self.may_begin(self.OPEN) if self.calls else 0))
+
+    def finish(self) -> list[tuple[str, str]]:
+        """What is left when the answer ends: an unclosed think block is reasoning, an unclosed call content."""
+        return self.send("reasoning" if self.in_think else "content", len(self.pending))
+
+    def finish_reason(self, finish: str) -> str:
+        return "tool_calls" if self.n_calls and finish == "stop" else finish
+
+    def may_begin(self, marker: str) -> int:
+        """The length of the pending text's end that may be the beginning of marker."""
+        return overlap(self.pending, marker, self.BORDERS[marker])
+
+    def send(self, kind: str, n: int) -> list[tuple[str, str]]:
+        text, self.pending = self.pending[:n], self.pending[n:]
+        return self.trim(kind, text)
+
+    def trim(self, kind: str, text: str) -> list[tuple[str, str]]:
+        text = self.trimmed[kind].add(text)
+        return [(kind, text)] if text else []
+
+
+def chat_message(parts: list[tuple], thinking: bool) -> dict:
+    """A whole answer's parts -> OpenAI's assistant message: content (null beside calls when empty),
+    reasoning_content (thinking on), tool_calls."""
+    text = {kind: "".join(v for k, v in parts if k == kind) for kind in ("reasoning", "content")}
+    calls = [v for k, v in parts if k == "call"]
+    message = {"role": "assistant", "content": text["content"] or (None if calls else "")}
+    if thinking:
+        message["reasoning_content"] = text["reasoning"]
+    if calls:
+        message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                  "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+    return message
+
+
+def chat_deltas(parts: list[tuple]) -> list[dict]:
+    """Parts -> OpenAI's chunk deltas; a call goes out as its index, id and name, then its arguments."""
+    deltas = []
+    for kind, value in parts:
+        if kind == "call":
+            deltas += [{"tool_calls": [{"index": value["index"], "id": value["id"], "type": "function",
+                                        "function": {"name": value["name"], "arguments": ""}}]},
+                       {"tool_calls": [{"index": value["index"], "function": {"arguments": value["arguments"]}}]}]
+        else:
+            deltas.append({"reasoning_content" if kind == "reasoning" else "content": value})
+    return deltas
+
+
+# -----------------------------------------------------------------------------
 # HTTP
 
 class App:
@@ -259,11 +460,23 @@ class App:
         and the text, as sample.py continues it) and queue its job."""
         options = sampling_options(body, endpoint, self.model_id, self.device)
         if endpoint == "chat":
-            param = "messages"
+            param, messages = "messages", chat_messages(body)
+            tools, calls, opening = tool_options(body)
+            thinking, thinking_field = thinking_option(body)
+            if self.tokenizer.chat_template != "chatml" and (tools or thinking):
+                what, field = ("tools", "tools") if tools else ("thinking", thinking_field)
+                raise APIError(400, f"this model's chat template cannot express {what} (it is not MiniMind's "
+                                    "ChatML)", field)
+            thinking = thinking and not opening  # a forced call opens right after the closed think block
             try:
-                prompt = prompt_ids(self.tokenizer, chat_messages(body))
+                prompt = prompt_ids(self.tokenizer, messages, tools=tools, thinking=thinking)
             except DataError as e:
                 raise APIError(400, f"messages: {e}", param) from None
+            except RecursionError:  # json.dumps of the tools, a frame or two deeper than the check
+                raise APIError(400, "'tools' is nested too deeply", "tools") from None
+            if opening:
+                prompt += encode_pieces(self.tokenizer, [markup(opening)])[0]  # <tool_call> as its added token
+            options["reply"] = ReplyStream(thinking, calls, opening)
         else:
             param, text = "prompt", get(body, "prompt", str)
             if text is None:
@@ -393,39 +606,48 @@ class Handler(BaseHTTPRequestHandler):
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.server.app.model_id}
         if options["stream"]:
-            return self.stream(job, head, chat, options["include_usage"])
+            return self.stream(job, head, options.get("reply"), options["include_usage"])
         pieces, finish = [], None
         for text, finish in self.events(job):
             pieces.append(text)
         if job.cancelled:
             return
         answer = "".join(pieces)
-        choice = {"message": {"role": "assistant", "content": answer}} if chat else {"text": answer}
+        if chat:
+            reply = options["reply"]
+            choice = {"message": chat_message(reply.feed(answer) + reply.finish(), reply.thinking)}
+            finish = reply.finish_reason(finish)
+        else:
+            choice = {"text": answer}
         self.send_json(200, {**head, "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish}],
                              "usage": usage(job)})
 
-    def stream(self, job: Job, head: dict, chat: bool, include_usage: bool):
-        """Server-sent events: chunks of the answer as it grows, one with finish_reason, [DONE]."""
+    def stream(self, job: Job, head: dict, reply: ReplyStream | None, include_usage: bool):
+        """Server-sent events: chunks of the answer as it grows (a chat answer's taken apart by reply), one with
+        finish_reason, [DONE]."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-cache")
         self.end_headers()
         self.committed, self.filler = True, b":\n\n"
+        chat = reply is not None
         head = {**head, "object": head["object"] + ".chunk" if chat else head["object"]}
 
-        def chunk(text: str | None, finish: str | None = None, role: bool = False):
-            delta = {"role": "assistant"} if role else {} if text is None else {"content": text}
-            choice = {"delta": delta} if chat else {"text": text or ""}
+        def chunk(delta: dict | str, finish: str | None = None):  # a chat delta, or a completion's text
+            choice = {"delta": delta} if chat else {"text": delta}
             self.event({**head, "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish}]})
 
         try:
             if chat:
-                chunk(None, role=True)
+                chunk({"role": "assistant"})
             for text, finish in self.events(job):
-                if text:
+                if chat:
+                    for delta in chat_deltas(reply.feed(text) + (reply.finish() if finish else [])):
+                        chunk(delta)
+                elif text:
                     chunk(text)
                 if finish:
-                    chunk(None, finish)
+                    chunk({} if chat else "", reply.finish_reason(finish) if chat else finish)
             if job.cancelled:
                 return
             if include_usage:
