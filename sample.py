@@ -4,11 +4,15 @@ Talk to a trained model.
     python sample.py --ckpt out/sft/best.pt --prompt "What is the capital of France?"   # one answer
     python sample.py --ckpt out/sft/best.pt                                             # multi-turn chat
     python sample.py --ckpt out/pretrain/best.pt --prompt "The capital of"              # plain continuation
+    python sample.py --ckpt out/sft/best.pt --tools builtin --prompt "What is 37 times 48?"   # with tools
 
 SFT and DPO checkpoints answer in the chat template, keeping the conversation history; a pretraining
 checkpoint continues the text it is given. Generation streams token by token and uses the KV cache.
+With --tools the model is offered tools (ChatML template only); each call it writes is run, shown as
+[call] and [result] lines, and the model goes on from the result, at most --max_turns turns per message.
 """
 import argparse
+import json
 import sys
 
 import torch
@@ -17,6 +21,7 @@ from checkpoint import load_model
 from engine import Sampling, TextStream, generate, prompt_ids
 from errors import ConfigError, cli
 from runtime import DTYPES, open_device
+from tools import Toolbox, load_toolbox, parse_reply
 
 
 def prompt_budget(max_seq_len: int, max_new_tokens: int | None) -> int:
@@ -33,7 +38,8 @@ def prompt_budget(max_seq_len: int, max_new_tokens: int | None) -> int:
 def respond(model, tokenizer, ids: list[int], args, out=None, generator: torch.Generator | None = None) -> str:
     """Generate an answer to ids, streaming its text to out (if given); returns the text without the template's
     surrounding spaces. Ctrl-C stops the answer early. generator: the random draws (None: torch's global one)."""
-    max_new_tokens = args.max_new_tokens or model.config.max_seq_len - len(ids)
+    max_seq_len = model.config.max_seq_len  # a tool turn's prompt may take more than the budget: cap to what is left
+    max_new_tokens = min(args.max_new_tokens or max_seq_len, max_seq_len - len(ids))
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty, generator)
     text = TextStream(tokenizer)
     try:
@@ -53,8 +59,50 @@ def respond(model, tokenizer, ids: list[int], args, out=None, generator: torch.G
     return text.sent
 
 
+def answer(model, tokenizer, messages: list[dict], args, budget: int, toolbox: Toolbox | None = None, out=None,
+           generator: torch.Generator | None = None) -> list[dict]:
+    """Answer a conversation that ends with the user's message; returns the messages the answer adds. With a
+    toolbox, a turn that calls tools is followed by their results and a new turn from the whole history, up to
+    args.max_turns turns: [assistant + tool_calls, tool, ..., assistant]. The message's own turns are never cut:
+    past the budget they take the prompt alone, and a turn gets what the context has left (as in tools.converse)."""
+    tools = toolbox.schemas if toolbox else None
+    added: list[dict] = []
+    for turn in range(args.max_turns if toolbox else 1):
+        if turn and out is not None:
+            out.write("bot> ")
+        ids = prompt_ids(tokenizer, messages + added, args.system, budget, tools=tools)
+        if toolbox:
+            current = prompt_ids(tokenizer, messages[-1:] + added, args.system, tools=tools)
+            if len(current) >= model.config.max_seq_len:
+                if out is not None:
+                    out.write(f"[stopped] this message, its calls and their results fill the model's context of "
+                              f"{model.config.max_seq_len} tokens\n")
+                break
+            ids = current if len(current) > budget else ids
+        text = respond(model, tokenizer, ids, args, out, generator)
+        reply = parse_reply(text) if toolbox else None
+        if reply and reply.malformed and out is not None:
+            out.write(f"[malformed] {reply.malformed} <tool_call> block(s) that are not a call: kept as text\n")
+        if not reply or not reply.calls:
+            return added + [{"role": "assistant", "content": text or "..."}]
+        said = {"role": "assistant", "content": reply.content, "tool_calls": reply.calls}
+        added.append(said | ({"reasoning_content": reply.reasoning} if reply.reasoning else {}))
+        if turn + 1 == args.max_turns:
+            if out is not None:
+                out.write(f"[stopped] {args.max_turns} turns and still calling tools: these calls were not run "
+                          "(--max_turns)\n")
+            break
+        for call in reply.calls:
+            result = toolbox.run(call["name"], call["arguments"])
+            if out is not None:
+                out.write(f"[call] {call['name']}({json.dumps(call['arguments'], ensure_ascii=False)})\n"
+                          f"[result] {result}\n")
+            added.append({"role": "tool", "content": result})
+    return added
+
+
 def chat_loop(model, tokenizer, args, chat: bool, read=input, out=sys.stdout,
-              generator: torch.Generator | None = None) -> list[dict]:
+              generator: torch.Generator | None = None, toolbox: Toolbox | None = None) -> list[dict]:
     """Read a line, answer it, repeat; Ctrl-D or Ctrl-C at the prompt ends. Returns the conversation."""
     history: list[dict] = []
     budget = prompt_budget(model.config.max_seq_len, args.max_new_tokens)
@@ -67,10 +115,11 @@ def chat_loop(model, tokenizer, args, chat: bool, read=input, out=sys.stdout,
         if not user:
             continue
         out.write("bot> ")
-        ids = prompt_ids(tokenizer, history + [{"role": "user", "content": user}] if chat else user, args.system, budget)
-        answer = respond(model, tokenizer, ids, args, out, generator)
         if chat:
-            history += [{"role": "user", "content": user}, {"role": "assistant", "content": answer or "..."}]
+            asked = history + [{"role": "user", "content": user}]
+            history = asked + answer(model, tokenizer, asked, args, budget, toolbox, out, generator)
+        else:
+            respond(model, tokenizer, prompt_ids(tokenizer, user, max_len=budget), args, out, generator)
 
 
 def parse_args(argv):
@@ -80,6 +129,9 @@ def parse_args(argv):
     p.add_argument("--prompt", help="answer this once and exit; without it, chat interactively")
     p.add_argument("--system", help="system prompt (chat checkpoints)")
     p.add_argument("--tokenizer_path", help="default: the checkpoint's (its chat template comes with it)")
+    p.add_argument("--tools", help="offer tools and run the calls: builtin, built-in names (calculate_math,"
+                                   "unit_converter,get_current_time) or a file.py / module of your functions")
+    p.add_argument("--max_turns", type=int, default=5, help="with --tools: model turns per message, at most")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
     p.add_argument("--top_k", type=int, default=None)
     p.add_argument("--top_p", type=float, default=0.9)
@@ -100,15 +152,41 @@ def main(argv=None):
     generator = torch.Generator(run.device).manual_seed(args.seed)  # on the device it samples on
     chat = state["stage"] != "pretrain"
     budget = prompt_budget(model.config.max_seq_len, args.max_new_tokens)
+    toolbox = offered_tools(args, tokenizer, chat, model.config.max_seq_len)
     if args.prompt is not None:
-        message = [{"role": "user", "content": args.prompt}] if chat else args.prompt
         with run.autocast():
-            respond(model, tokenizer, prompt_ids(tokenizer, message, args.system, budget), args, sys.stdout, generator)
+            if chat:
+                answer(model, tokenizer, [{"role": "user", "content": args.prompt}], args, budget, toolbox,
+                       sys.stdout, generator)
+            else:
+                ids = prompt_ids(tokenizer, args.prompt, max_len=budget)
+                respond(model, tokenizer, ids, args, sys.stdout, generator)
         return
     mode = f"chat in the {tokenizer.chat_template} template" if chat else "plain continuation"
+    mode += f", tools {', '.join(toolbox.functions)}" if toolbox else ""
     print(f"{state['stage']} checkpoint {args.ckpt}: {mode}; Ctrl-C stops an answer, Ctrl-D or Ctrl-C at the prompt quits")
     with run.autocast():
-        chat_loop(model, tokenizer, args, chat, generator=generator)
+        chat_loop(model, tokenizer, args, chat, generator=generator, toolbox=toolbox)
+
+
+def offered_tools(args, tokenizer, chat: bool, max_seq_len: int) -> Toolbox | None:
+    """--tools' toolbox (None without it), once the checkpoint is known to be able to show tools and their
+    descriptions to leave room in its context."""
+    if args.tools is None:
+        return None
+    if args.max_turns < 1:
+        raise ConfigError(f"--max_turns must be at least 1, got {args.max_turns}")
+    if not chat:
+        raise ConfigError("--tools needs a chat checkpoint (SFT, DPO, ...): a pretrained one continues plain text")
+    if tokenizer.chat_template != "chatml":
+        raise ConfigError(f"--tools: this checkpoint's tokenizer has the {tokenizer.chat_template} chat template, "
+                          "which cannot show tools (MiniMind's ChatML template can)")
+    toolbox = load_toolbox(args.tools)
+    need = len(prompt_ids(tokenizer, [{"role": "user", "content": ""}], args.system, tools=toolbox.schemas))
+    if need >= max_seq_len:
+        raise ConfigError(f"--tools: the tools' descriptions take {need} tokens, and the model's whole context is "
+                          f"{max_seq_len}: offer fewer tools")
+    return toolbox
 
 
 if __name__ == "__main__":
