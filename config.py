@@ -234,8 +234,11 @@ class GRPOConfig(FinetuneConfig):
     top_p: float = 1.0
     max_new_tokens: int = 256  # a completion that has not ended by then is cut, and scored as it is
     # --- rewards
-    reward: str = "answer"  # comma-separated, summed: answer | length | format | repetition | module:function | none
+    reward: str = "answer"  # comma-separated, summed: answer | calls | length | format | repetition | module:function | none
     reward_model: str | None = None  # a train_reward.py checkpoint: its score is added to the rewards
+    # --- tools (agent RL): a completion's turns may call tools, whose results it reads (they carry no loss)
+    tools: str | None = None  # None: one turn, no tools; builtin | calculate_math,... | file.py | module (tools.py)
+    max_turns: int = 3  # turns per completion with tools, each of at most max_new_tokens (MiniMind's: 3)
     # --- the loss (grpo.py)
     loss_type: str = "cispo"  # cispo (MiniMind's default) | grpo (PPO's clipped ratio)
     clip_eps: float = 0.2  # grpo: the ratio is clipped to [1 - clip_eps, 1 + clip_eps]
@@ -265,7 +268,8 @@ class GRPOConfig(FinetuneConfig):
                 ("temperature", self.temperature > 0, "above 0 (greedy completions of a prompt are all alike)"),
                 ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("max_new_tokens", self.max_new_tokens >= 1, "at least 1"),
                 ("clip_eps", 0 < self.clip_eps < 1, "in (0, 1)"), ("clip_high", self.clip_high >= 1, "at least 1"),
-                ("beta", self.beta >= 0, "0 or more"), ("ppo_epochs", self.ppo_epochs >= 1, "at least 1")]:
+                ("beta", self.beta >= 0, "0 or more"), ("ppo_epochs", self.ppo_epochs >= 1, "at least 1"),
+                ("max_turns", self.max_turns >= 1, "at least 1")]:
             if not ok:
                 raise ConfigError(f"config key {key!r} must be {rule}, got {getattr(self, key)!r}")
 

@@ -323,7 +323,7 @@ def eval_questions(rng, countries, pairs) -> list[dict]:
 # to copy numbers from the question into it and from the result into the answer.
 TOOL_Q = ["What is {a} times {b}?", "What is {a} multiplied by {b}?", "Multiply {a} by {b}.",
           "What is the product of {a} and {b}?", "{a}乘以{b}等于多少？", "请计算{a}乘{b}。", "{a}和{b}的乘积是多少？"]
-TOOL_A = {"en": "{a} × {b} = {p}.", "zh": "{a}乘以{b}等于{p}。"}
+TOOL_A = {"en": "The product is {p}.", "zh": "乘积是{p}。"}  # the result, copied from the tool's answer just above
 
 
 def tool_record(a: int, b: int, question: str, tools: list[dict], answered: bool = True) -> dict:
@@ -338,7 +338,7 @@ def tool_record(a: int, b: int, question: str, tools: list[dict], answered: bool
     return {"conversations": messages + [
         {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "content": json.dumps({"result": a * b})},
-        {"role": "assistant", "content": TOOL_A[lang].format(a=a, b=b, p=a * b)}]}
+        {"role": "assistant", "content": TOOL_A[lang].format(p=a * b)}]}
 
 
 PRODUCT_EN = ["{a} × {b} = {p}.", "{a} times {b} is {p}.", "The product of {a} and {b} is {p}.",

@@ -4,6 +4,7 @@ share. No value model: each prompt gets a group of completions, and a completion
 its reward is than its group's.
 
   rollout           each prompt's group of completions, sampled together through the engine, seeded per prompt
+  agent_rollout     the same with tools: each completion runs up to max_turns turns, the calls run between them
   completion_batch  prompts + completions -> X, Y and the mask of the completions' tokens (nothing after eos)
   Rewarder          the rewards of completions: the summed reward functions plus a reward model's score
   group_advantages  (r - group mean) / (group std + eps); 0 for a group whose rewards are all equal
@@ -27,6 +28,7 @@ from data import pad_rows
 from engine import Row, Sampling, answer_text, decode
 from errors import RewardError
 from reward_model import score
+from tools import Trajectory, converse
 
 
 def prompt_seed(seed: int, step: int, index: int) -> int:
@@ -56,13 +58,39 @@ def rollout(model, prompts: list[list[int]], seeds: list[int] | None, group_size
         model.train(was_training)
 
 
-def completion_batch(prompts: list[list[int]], completions: list[list[int]], eos_id: int, pad_id: int, device):
+@torch.no_grad()
+def agent_rollout(model, tokenizer, prompts: list, seeds: list[int] | None, group_size: int, max_new_tokens: int,
+                  max_turns: int, toolbox, temperature: float = 1.0, top_p: float | None = None) -> list[Trajectory]:
+    """rollout with tools: group_size conversations from each prompt (data.Prompt: ids and messages), all decoded
+    together turn by turn (tools.converse); seeds None: greedy."""
+    items = []
+    for i, prompt in enumerate(prompts):
+        if seeds is None:
+            sampling = Sampling(temperature=0.0)
+        else:
+            generator = torch.Generator(next(model.parameters()).device).manual_seed(seeds[i])
+            sampling = Sampling(temperature, top_p=top_p, generator=generator)
+        items += [(prompt.ids, prompt.messages, sampling)] * group_size
+    was_training = model.training
+    model.eval()  # sampling without dropout
+    try:
+        return converse(model, tokenizer, items, toolbox, max_turns, max_new_tokens)
+    finally:
+        model.train(was_training)
+
+
+def completion_batch(prompts: list[list[int]], completions: list[list[int]], eos_id: int, pad_id: int, device,
+                     generated: list[list[int]] | None = None):
     """(X, Y, mask) for rows prompt + completion, padded; mask is 1 where Y is a completion token, its eos
-    included. A completion ends at its first eos: nothing after it is in the row."""
+    included. A completion ends at its first eos: nothing after it is in the row. With tools, a completion is
+    every turn and the tool results between them: generated marks the tokens the policy wrote (mask 1), and the
+    results it read carry no loss."""
     rows = []
-    for prompt, completion in zip(prompts, completions):
-        completion = completion[: completion.index(eos_id) + 1] if eos_id in completion else completion
-        mask = np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(completion), np.uint8)])
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        if generated is None:
+            completion = completion[: completion.index(eos_id) + 1] if eos_id in completion else completion
+        written = np.ones(len(completion), np.uint8) if generated is None else np.array(generated[i], np.uint8)
+        mask = np.concatenate([np.zeros(len(prompt), np.uint8), written])
         rows.append((np.array(prompt + completion), mask))
     return tuple(t.to(device) for t in pad_rows(rows, pad_id))
 
@@ -81,14 +109,17 @@ class Rewarder:
     def __init__(self, functions: dict, reward_model=None, tokenizer=None):
         self.functions, self.reward_model, self.tokenizer = functions, reward_model, tokenizer
 
-    def __call__(self, prompts: list, texts: list[str]) -> list[float]:
-        """prompts: data.Prompt of each completion (repeated over its group); texts: the completions."""
+    def __call__(self, prompts: list, texts: list[str], conversations: list[list[dict]] | None = None) -> list[float]:
+        """prompts: data.Prompt of each completion (repeated over its group); texts: the completions (with tools:
+        the last turns); conversations: what each completion answers (with tools: the prompt's messages and the
+        earlier turns with their calls and results; default: the prompt's messages)."""
         totals = []
-        for prompt, text in zip(prompts, texts):
+        conversations = conversations or [p.messages for p in prompts]
+        for prompt, text, messages in zip(prompts, texts, conversations):
             total = 0.0
             for name, fn in self.functions.items():
                 try:
-                    value = fn(prompt.messages, text, prompt.record)
+                    value = fn(messages, text, prompt.record)
                 except Exception as e:
                     raise RewardError(f"{prompt.where}: reward {name} raised {type(e).__name__}: {e}") from None
                 if not isinstance(value, numbers.Real) or not math.isfinite(value):
@@ -96,7 +127,7 @@ class Rewarder:
                 total += float(value)
             totals.append(total)
         if self.reward_model is not None:
-            scores = score(self.reward_model, self.tokenizer, [p.messages for p in prompts], texts)
+            scores = score(self.reward_model, self.tokenizer, conversations, texts)
             for i, (prompt, s) in enumerate(zip(prompts, scores)):
                 if not math.isfinite(s):
                     raise RewardError(f"{prompt.where}: the reward model scored a completion {s}")

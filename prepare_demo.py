@@ -32,7 +32,7 @@ def main(argv=None):
     p.add_argument("--sft", type=int, default=8000, help="SFT conversations")
     p.add_argument("--dpo", type=int, default=3000, help="DPO pairs")
     p.add_argument("--eval_sums", type=int, default=150, help="held-out sum questions in eval.jsonl")
-    p.add_argument("--tool_docs", type=int, default=20000, help="pretraining documents of the tool task")
+    p.add_argument("--tool_docs", type=int, default=30000, help="pretraining documents of the tool task")
     p.add_argument("--tool_sft", type=int, default=3000, help="tool-calling conversations (products of two numbers)")
     p.add_argument("--tool_rl", type=int, default=600, help="tool-use RL prompts, about other products")
     p.add_argument("--tool_eval", type=int, default=100, help="held-out tool-use prompts")

@@ -4,18 +4,23 @@ reference? -- MiniMind's rule rewards, and a user's own functions.
 
     answer_reward("<think>\\n3 + 4 is 7\\n</think>\\n\\nThe sum is 7.", "7")   # 1.0: its last number is 7
     answer_reward("巴黎。", "巴黎")                                            # 1.0: the same words
-    load_rewards("answer,repetition")    # train_grpo.py's `reward` key: {name: fn(messages, completion, record)}
+    answer_reward("3 × 4 = 12, 5 × 6 = 30", ["12", "30"])                   # 1.0: MiniMind's gt list, each found
+    load_rewards("answer,calls")         # train_grpo.py's `reward` key: {name: fn(messages, completion, record)}
 
 The final answer is what follows the last </think> (a model thinks first in MiniMind's template). A reference that
 is a number is compared with the answer's last number, as a value ("7.0" and "7", "1,000" and "1000" agree); any
-other reference with the whole answer, ignoring case, surrounding space and end punctuation.
+other reference with the whole answer, ignoring case, surrounding space and end punctuation. A list of references
+(MiniMind's agent data's "gt") scores the fraction of them the answer holds: a number among its numbers, other text
+anywhere in it, ignoring case.
 """
 import importlib
 import importlib.util
 import os
 import re
 
-from errors import ConfigError
+from chat import json_field
+from errors import BadRecord, ConfigError
+from tools import as_call, call_problem, check_tools, parse_reply
 
 # an integer (thousands may be grouped by commas: 1,000), a decimal fraction, a sign
 NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
@@ -35,9 +40,15 @@ def as_number(text: str) -> float | None:
     return float(text.replace(",", ""))
 
 
-def answer_reward(completion: str, reference: str) -> float:
-    """1.0 when the completion's final answer is the reference (a number: its last number), else 0.0."""
+def answer_reward(completion: str, reference: str | list) -> float:
+    """1.0 when the completion's final answer is the reference (a number: its last number), else 0.0; a list of
+    references: the fraction of them found in the answer."""
     answer = final_answer(completion)
+    if isinstance(reference, list):
+        numbers = {float(n.replace(",", "")) for n in NUMBER.findall(answer)}
+        found = [as_number(r) in numbers if as_number(r) is not None else r.strip().casefold() in answer.casefold()
+                 for r in map(str, reference)]
+        return sum(found) / len(found) if found else 0.0
     expected = as_number(reference)
     if expected is not None:
         numbers = NUMBER.findall(answer)
@@ -46,10 +57,35 @@ def answer_reward(completion: str, reference: str) -> float:
     return float(normalise(answer) == normalise(reference))
 
 
-def reference(record: dict) -> str | None:
-    """A record's reference answer: its "answer", or MiniMind's "gt"; a number in the JSON as its text."""
+def reference(record: dict) -> str | list[str] | None:
+    """A record's reference answer: its "answer", or MiniMind's "gt"; a number in the JSON as its text; a list
+    (MiniMind's agent data) as a list of texts."""
     value = record.get("answer", record.get("gt"))
+    if isinstance(value, list):
+        return [str(v) for v in value]
     return None if value is None else str(value)
+
+
+def calls_reward(messages: list[dict], completion: str) -> float:
+    """Tool use (train_grpo.py with tools): +0.5 when the turns made calls and every one was well formed and fit
+    the tools offered (a known name, its required arguments, their JSON types); -0.5 for each that did not, a
+    <tool_call> block that is not JSON among them; 0 without calls. The turns are the assistant messages after
+    the last user message (the rollout's, with the calls they made) and the completion (the last turn)."""
+    tools = messages[0].get("tools") if messages and messages[0].get("role") == "system" else None
+    try:
+        functions = check_tools(json_field(tools, "tools"), "the system message's tools") if tools else {}
+    except BadRecord as e:
+        raise ValueError(str(e)) from None
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+    turns = [m for m in messages[last_user + 1:] if m.get("role") == "assistant"]
+    replies = [parse_reply(m.get("content") or "") for m in turns] + [parse_reply(completion)]
+    written = [as_call(c) for m in turns for c in json_field(m.get("tool_calls") or [], "tool_calls")]
+    calls = [c for c in written if c is not None] + replies[-1].calls
+    bad = sum(r.malformed for r in replies) + written.count(None) + sum(call_problem(c, functions) is not None
+                                                                        for c in calls)
+    if not calls and not bad:
+        return 0.0
+    return 0.5 if bad == 0 else -0.5 * bad
 
 
 # -----------------------------------------------------------------------------
@@ -81,6 +117,7 @@ def repetition_reward(completion: str, n: int = 3, cap: float = 0.5) -> float:
 
 BUILT_IN = {
     "answer": lambda messages, completion, record: answer_reward(completion, reference(record)),
+    "calls": lambda messages, completion, record: calls_reward(messages, completion),
     "length": lambda messages, completion, record: length_reward(completion),
     "format": lambda messages, completion, record: format_reward(completion),
     "repetition": lambda messages, completion, record: repetition_reward(completion),
@@ -89,7 +126,7 @@ BUILT_IN = {
 
 def load_rewards(spec: str) -> dict:
     """`reward`'s value -> {name: fn(messages, completion, record) -> float}: comma-separated names of the
-    built-in rewards (answer, length, format, repetition) or a user's `module:function` / `path.py:function`;
+    built-in rewards (answer, calls, length, format, repetition) or a user's `module:function` / `path.py:function`;
     "none" for no rule reward (a reward model alone)."""
     names = [name.strip() for name in spec.split(",") if name.strip()]
     if names == ["none"]:

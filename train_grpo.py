@@ -4,6 +4,7 @@ the policy learns to make likelier the completions that beat their group's mean 
 
     python train_grpo.py configs/demo_grpo.py                        # the demo's doubling task
     python train_grpo.py --init_from=out/sft/best.pt --data_path=rlaif.jsonl --reward=answer
+    python train_grpo.py configs/demo_tools_grpo.py                  # agent RL: the demo's calculator task
     python train_grpo.py --help                                      # every key, its default and meaning
 
 A step: batch_size prompts per micro-batch (x accum_steps x ranks) -> group_size completions each, sampled from
@@ -12,6 +13,11 @@ ppo_epochs optimizer steps on the loss. The loss is the sum of the per-token los
 the whole step -- every micro-batch, every rank -- divided by their number: every token weighs alike, so a long
 wrong answer is not excused by its length nor a short one punished more (a per-completion mean would), and
 batch_size x accum_steps x ranks is exactly one big batch.
+
+With tools (agent RL, MiniMind's train_agent.py): a completion is up to max_turns turns; a turn that calls tools
+gets their results (tools.py runs them) and the next turn reads them. The rewards score the last turn (reward=
+answer: against "answer" or MiniMind's "gt" list) and the calls (reward=calls: well formed, fitting the tools
+offered); the tool results are in the rows but carry no loss.
 """
 import dataclasses
 from contextlib import nullcontext
@@ -24,8 +30,8 @@ from checkpoint import EarlyStopping, checkpoint_to_resume, finetune_model, froz
 from config import GRPOConfig, load_config
 from data import Prompt, prompt_loaders
 from errors import ConfigError, cli
-from grpo import (Rewarder, completion_batch, completion_texts, group_advantages, policy_loss, prompt_seed, rollout,
-                  token_logprobs)
+from grpo import (Rewarder, agent_rollout, completion_batch, completion_texts, group_advantages, policy_loss,
+                  prompt_seed, rollout, token_logprobs)
 from losses import evaluate
 from metrics import MetricsLog, StepTimer, start_profiler
 from optim import get_lr, schedule_length, set_lr
@@ -33,6 +39,7 @@ from reward_model import load_reward_model
 from rewards import answer_reward, load_rewards, reference
 from runtime import StopSignal, all_reduce_sum, print0, print_run, setup, teardown, wrap
 from tokenizer import load_tokenizer
+from tools import load_toolbox
 
 PHASES = ("rollout", "reward", "forward", "backward", "optimizer")
 STATS = ["completions", "reward_sum", "reward_sq_sum", "tokens", "groups", "zero_adv_groups"]  # summed over ranks
@@ -42,24 +49,36 @@ STATS = ["completions", "reward_sum", "reward_sq_sum", "tokens", "groups", "zero
 class Rollouts:
     """One micro-batch of a step: its prompts' completions as training rows, with what the loss needs."""
     prompts: list[Prompt]  # the prompt of each completion (group by group)
-    texts: list[str]
+    texts: list[str]  # each completion (with tools: its last turn)
+    conversations: list[list[dict]]  # what each text answers (with tools: the earlier turns, calls and results too)
     X: torch.Tensor
     Y: torch.Tensor
-    mask: torch.Tensor  # 1 on completion tokens
+    mask: torch.Tensor  # 1 on the tokens the policy wrote
     rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     old_logp: torch.Tensor | None = None  # the rollout policy's log-probs (ppo_epochs > 1)
     ref_logp: torch.Tensor | None = None  # the reference's (beta > 0)
 
 
-def roll_out(raw_model, prompts: list[Prompt], indices: list[int], step: int, cfg, tokenizer, run) -> Rollouts:
-    """group_size sampled completions of each prompt, each prompt's seeded by (seed, step, its index)."""
+def roll_out(raw_model, prompts: list[Prompt], indices: list[int], step: int, cfg, tokenizer, run, toolbox=None,
+             greedy: bool = False) -> Rollouts:
+    """group_size sampled completions of each prompt, each prompt's seeded by (seed, step, its index); greedy: one
+    greedy completion each. With a toolbox, each completion is a conversation of up to max_turns turns."""
+    seeds = None if greedy else [prompt_seed(cfg.seed, step, i) for i in indices]
+    group = 1 if greedy else cfg.group_size
+    repeated = [p for p in prompts for _ in range(group)]
     with run.autocast():
-        rows = rollout(raw_model, [p.ids for p in prompts], [prompt_seed(cfg.seed, step, i) for i in indices],
-                       cfg.group_size, cfg.max_new_tokens, tokenizer.eos_id, cfg.temperature, cfg.top_p)
-    X, Y, mask = completion_batch([r.prompt for r in rows], [r.tokens for r in rows], tokenizer.eos_id,
-                                  tokenizer.pad_id, run.device)
-    return Rollouts([p for p in prompts for _ in range(cfg.group_size)], completion_texts(tokenizer, rows), X, Y, mask)
+        if toolbox is None:
+            rows = rollout(raw_model, [p.ids for p in prompts], seeds, group, cfg.max_new_tokens, tokenizer.eos_id,
+                           cfg.temperature, cfg.top_p)
+            X, Y, mask = completion_batch([r.prompt for r in rows], [r.tokens for r in rows], tokenizer.eos_id,
+                                          tokenizer.pad_id, run.device)
+            return Rollouts(repeated, completion_texts(tokenizer, rows), [p.messages for p in repeated], X, Y, mask)
+        turns = agent_rollout(raw_model, tokenizer, prompts, seeds, group, cfg.max_new_tokens, cfg.max_turns, toolbox,
+                              cfg.temperature, cfg.top_p)
+    X, Y, mask = completion_batch([t.prompt for t in turns], [t.ids for t in turns], tokenizer.eos_id,
+                                  tokenizer.pad_id, run.device, [t.generated for t in turns])
+    return Rollouts(repeated, [t.text for t in turns], [t.messages for t in turns], X, Y, mask)
 
 
 def make_reference(cfg, model):
@@ -74,17 +93,15 @@ def make_reference(cfg, model):
 
 
 @torch.no_grad()
-def validation_reward(raw_model, val_loader, rewarder: Rewarder, cfg, tokenizer, run) -> dict[str, float]:
+def validation_reward(raw_model, val_loader, rewarder: Rewarder, cfg, tokenizer, run, toolbox=None) -> dict[str, float]:
     """val_reward: the mean reward of greedy completions of the held-out prompts (the first eval_steps batches of
     every rank); val_pass1, with reward=answer: the fraction whose final answer is the reference."""
     def batch_sums(indices):
-        prompts = [val_loader.dataset[i] for i in indices]
-        with run.autocast():
-            rows = rollout(raw_model, [p.ids for p in prompts], None, 1, cfg.max_new_tokens, tokenizer.eos_id)
-        texts = completion_texts(tokenizer, rows)
-        sums = {"reward": sum(rewarder(prompts, texts)), "prompts": len(prompts)}
+        b = roll_out(raw_model, [val_loader.dataset[i] for i in indices], indices, 0, cfg, tokenizer, run, toolbox,
+                     greedy=True)
+        sums = {"reward": sum(rewarder(b.prompts, b.texts, b.conversations)), "prompts": len(b.prompts)}
         if "answer" in rewarder.functions:
-            sums["pass"] = sum(answer_reward(t, reference(p.record)) for p, t in zip(prompts, texts))
+            sums["pass"] = sum(answer_reward(t, reference(p.record)) == 1.0 for p, t in zip(b.prompts, b.texts))
         return {k: torch.tensor(float(v)) for k, v in sums.items()}
 
     totals = evaluate(batch_sums, ((batch,) for batch in val_loader.batches(cfg.eval_steps)), run)
@@ -107,6 +124,10 @@ def main(argv: list[str]):
     # the reward model brings its own tokenizer: it may differ from the policy's
     reward_model, reward_tokenizer = load_reward_model(cfg.reward_model, run.device) if cfg.reward_model else (None, None)
     rewarder = Rewarder(functions, reward_model, reward_tokenizer)
+    toolbox = load_toolbox(cfg.tools) if cfg.tools else None
+    if toolbox is not None and tokenizer.chat_template != "chatml":
+        raise ConfigError("config key 'tools': this tokenizer's [INST] chat template cannot show tools; tools need "
+                          "MiniMind's ChatML one")
     loader, val_loader = prompt_loaders(cfg, tokenizer, run, need_reference="answer" in functions)
     max_steps, warmup_steps, steps_per_epoch = schedule_length(cfg, loader, val_loader, run)
     reference_model = make_reference(cfg, model)
@@ -117,7 +138,7 @@ def main(argv: list[str]):
     raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for rollouts, saving and FLOPs
     log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
     if step == 0:  # the starting model on the held-out prompts: what RL improves on
-        log.write({"step": 0, **validation_reward(raw_model, val_loader, rewarder, cfg, tokenizer, run)})
+        log.write({"step": 0, **validation_reward(raw_model, val_loader, rewarder, cfg, tokenizer, run, toolbox)})
     timer = StepTimer(run, cfg.peak_flops, step, max_steps, PHASES)
 
     while step < max_steps:
@@ -128,11 +149,11 @@ def main(argv: list[str]):
             for _ in range(cfg.accum_steps):
                 indices = loader.next_batch()
                 prompts = [loader.dataset[i] for i in indices]
-                batches.append(roll_out(raw_model, prompts, indices, step, cfg, tokenizer, run))
+                batches.append(roll_out(raw_model, prompts, indices, step, cfg, tokenizer, run, toolbox))
         with timer.phase("reward"):
             stats = torch.zeros(len(STATS))
             for b in batches:
-                b.rewards = torch.tensor(rewarder(b.prompts, b.texts))
+                b.rewards = torch.tensor(rewarder(b.prompts, b.texts, b.conversations))
                 b.advantages = group_advantages(b.rewards, cfg.group_size).to(run.device)
                 groups = b.rewards.view(-1, cfg.group_size)
                 stats += torch.tensor([len(b.rewards), b.rewards.sum(), (b.rewards ** 2).sum(), b.mask.sum().item(),
@@ -187,7 +208,7 @@ def main(argv: list[str]):
             stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step % steps_per_epoch == 0 or step == max_steps:
             with timer.paused():
-                val = validation_reward(raw_model, val_loader, rewarder, cfg, tokenizer, run)
+                val = validation_reward(raw_model, val_loader, rewarder, cfg, tokenizer, run, toolbox)
                 log.write({"step": step, **val})
                 if early.update(val["val_reward"]):
                     checkpoints.save("best.pt", step)
