@@ -15,9 +15,10 @@ from collections import Counter
 import numpy as np
 import torch
 
-from chat import encode_chat
+from chat import encode_chat, json_field
 from errors import BadRecord, DataError
 from token_cache import Records, expand_paths, load_split, parse_line, text_lines
+from tools import check_tools
 
 
 # -----------------------------------------------------------------------------
@@ -227,6 +228,11 @@ def prompt_of(record: dict, tokenizer, max_prompt_length: int, need_reference: b
     if need_reference and record.get("answer", record.get("gt")) is None:
         raise BadRecord("missing field 'answer' (or MiniMind's 'gt'): reward=answer compares the completion with it")
     head = messages[:1] if messages[0].get("role") == "system" else []
+    if head and head[0].get("tools"):  # a tool-use prompt (agent RL): its tools must be descriptions a model can read
+        try:
+            check_tools(json_field(head[0]["tools"], "'tools'"), "'tools'")
+        except DataError as e:
+            raise BadRecord(str(e)) from None
     last_turn, _ = encode_chat(tokenizer, head + messages[-1:], record.get("system"))
     if len(last_turn) > max_prompt_length:
         raise BadRecord(f"the last user turn alone is {len(last_turn)} tokens, more than max_prompt_length="

@@ -198,3 +198,14 @@ def test_a_tiny_model_fine_tuned_on_tool_calls_calls_the_calculator_with_the_num
         made = [m["tool_calls"] for m in t.messages if m.get("tool_calls")]
         right += made == [expected] and answer_reward(t.text, str(eval(expected[0]["arguments"]["expression"]))) == 1
     assert right >= 12, right  # of 16: the right tool, the right numbers, the result stated
+
+
+def test_a_prompt_with_a_bad_tool_description_names_its_line(tmp_path):
+    from data import read_prompts
+    from errors import BadRecord
+    good = {"conversations": QUESTION, "answer": "1776"}
+    bad = {"conversations": [dict(QUESTION[0], tools=[{"type": "function", "function": {"name": "no spaces"}}]),
+                             QUESTION[1]], "answer": "1776"}
+    path = write_jsonl(tmp_path / "rl.jsonl", [good, bad])
+    with pytest.raises(BadRecord, match=r"rl.jsonl:2: 'tools'\[0\].function.name"):
+        read_prompts(path, load_tokenizer(), 300, verbose=False)
