@@ -18,6 +18,7 @@ drops the gradient of tokens whose ratio left the clip range, cispo keeps every 
 k3 (Schulman 2020), per token, with d = log p_ref - log p_policy: exp(d) - d - 1 >= 0, an unbiased estimate of
 KL(policy || reference) whose samples are never negative.
 """
+import contextlib
 import math
 import numbers
 
@@ -37,25 +38,35 @@ def prompt_seed(seed: int, step: int, index: int) -> int:
     return int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0])
 
 
+def group_samplings(model, n: int, seeds: list[int] | None, temperature: float, top_p: float | None) -> list[Sampling]:
+    """A Sampling for each of n prompts, drawing from a generator of its own seed on the model's device; seeds
+    None: greedy."""
+    if seeds is None:
+        return [Sampling(temperature=0.0) for _ in range(n)]
+    device = next(model.parameters()).device
+    return [Sampling(temperature, top_p=top_p, generator=torch.Generator(device).manual_seed(s)) for s in seeds]
+
+
+@contextlib.contextmanager
+def sampling_mode(model):
+    """The model in eval mode (sampling without dropout), then back in the mode it was in."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def rollout(model, prompts: list[list[int]], seeds: list[int] | None, group_size: int, max_new_tokens: int,
             eos_id: int, temperature: float = 1.0, top_p: float | None = None) -> list[Row]:
     """group_size completions of each prompt, all decoded together (each prompt prefilled once): the rows,
     prompt by prompt. Each prompt's rows draw from a generator of its own seed; seeds None: greedy."""
-    rows = []
-    for i, prompt in enumerate(prompts):
-        if seeds is None:
-            sampling = Sampling(temperature=0.0)
-        else:
-            generator = torch.Generator(next(model.parameters()).device).manual_seed(seeds[i])
-            sampling = Sampling(temperature, top_p=top_p, generator=generator)
-        rows += [Row(list(prompt), max_new_tokens, sampling, eos_id) for _ in range(group_size)]
-    was_training = model.training
-    model.eval()  # sampling without dropout
-    try:
+    samplings = group_samplings(model, len(prompts), seeds, temperature, top_p)
+    rows = [Row(list(p), max_new_tokens, s, eos_id) for p, s in zip(prompts, samplings) for _ in range(group_size)]
+    with sampling_mode(model):
         return decode(model, rows)
-    finally:
-        model.train(was_training)
 
 
 @torch.no_grad()
@@ -63,20 +74,10 @@ def agent_rollout(model, tokenizer, prompts: list, seeds: list[int] | None, grou
                   max_turns: int, toolbox, temperature: float = 1.0, top_p: float | None = None) -> list[Trajectory]:
     """rollout with tools: group_size conversations from each prompt (data.Prompt: ids and messages), all decoded
     together turn by turn (tools.converse); seeds None: greedy."""
-    items = []
-    for i, prompt in enumerate(prompts):
-        if seeds is None:
-            sampling = Sampling(temperature=0.0)
-        else:
-            generator = torch.Generator(next(model.parameters()).device).manual_seed(seeds[i])
-            sampling = Sampling(temperature, top_p=top_p, generator=generator)
-        items += [(prompt.ids, prompt.messages, sampling)] * group_size
-    was_training = model.training
-    model.eval()  # sampling without dropout
-    try:
+    samplings = group_samplings(model, len(prompts), seeds, temperature, top_p)
+    items = [(p.ids, p.messages, s) for p, s in zip(prompts, samplings) for _ in range(group_size)]
+    with sampling_mode(model):
         return converse(model, tokenizer, items, toolbox, max_turns, max_new_tokens)
-    finally:
-        model.train(was_training)
 
 
 def completion_batch(prompts: list[list[int]], completions: list[list[int]], eos_id: int, pad_id: int, device,

@@ -13,14 +13,11 @@ other reference with the whole answer, ignoring case, surrounding space and end 
 (MiniMind's agent data's "gt") scores the fraction of them the answer holds: a number among its numbers, other text
 anywhere in it, ignoring case.
 """
-import importlib
-import importlib.util
-import os
 import re
 
 from chat import json_field
 from errors import BadRecord, ConfigError
-from tools import as_call, call_problem, check_tools, parse_reply
+from tools import as_call, call_problem, check_tools, parse_reply, user_module
 
 # an integer (thousands may be grouped by commas: 1,000), a decimal fraction, a sign
 NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
@@ -149,12 +146,7 @@ def user_function(name: str):
     """'package.module:function' (importable from here) or 'path/to/file.py:function' -> the function."""
     module_name, _, function = name.rpartition(":")
     try:
-        if module_name.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
+        module = user_module(module_name)
     except (ImportError, OSError) as e:
         raise ConfigError(f"config key 'reward': cannot import {module_name} ({e})") from None
     fn = getattr(module, function, None)

@@ -277,6 +277,16 @@ class Toolbox:
         return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
 
 
+def user_module(name: str):
+    """'path/to/file.py' or an importable 'package.module' -> the module (a user's tools or rewards)."""
+    if not name.endswith(".py"):
+        return importlib.import_module(name)
+    spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_toolbox(spec: str) -> Toolbox:
     """'builtin' (all three), built-in names (calculate_math,unit_converter), a file.py or an importable module:
     its TOOLS list (functions) if it has one, else every public function it defines."""
@@ -290,12 +300,7 @@ def load_toolbox(spec: str) -> Toolbox:
         raise ConfigError(f"tools: unknown tool {unknown!r}; choose from builtin, {', '.join(built_in)}, or a "
                           "file.py / module of your own functions")
     try:
-        if spec.endswith(".py"):
-            module_spec = importlib.util.spec_from_file_location(os.path.basename(spec)[:-3], spec)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(spec)
+        module = user_module(spec)
     except (ImportError, OSError) as e:
         raise ConfigError(f"tools: cannot import {spec} ({e}); built-in tools are {', '.join(built_in)}") from None
     functions = getattr(module, "TOOLS", None)
