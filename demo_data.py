@@ -321,8 +321,9 @@ def eval_questions(rng, countries, pairs) -> list[dict]:
 # Tool use (tools.py): products of two numbers, which the model cannot work out itself, answered by calling the
 # calculator and stating its result. SFT and RL ask about different numbers; the model learns the call's form and
 # to copy numbers from the question into it and from the result into the answer.
-TOOL_Q = ["What is {a} times {b}?", "What is {a} multiplied by {b}?", "Multiply {a} by {b}.",
-          "What is the product of {a} and {b}?", "{a}乘以{b}等于多少？", "请计算{a}乘{b}。", "{a}和{b}的乘积是多少？"]
+# SFT asks the first five; RL and the evaluation all seven (the last two are new to the model)
+TOOL_Q = ["What is {a} times {b}?", "What is {a} multiplied by {b}?", "Multiply {a} by {b}.", "{a}乘以{b}等于多少？",
+          "请计算{a}乘{b}。", "What is the product of {a} and {b}?", "{a}和{b}的乘积是多少？"]
 TOOL_A = {"en": "The product is {p}.", "zh": "乘积是{p}。"}  # the result, copied from the tool's answer just above
 
 
@@ -347,10 +348,15 @@ PRODUCT_ZH = ["{a}乘以{b}等于{p}。", "{a}和{b}的乘积是{p}。", "{a}乘
 
 
 def product_document(rng) -> str:
-    """Pretraining text for the tool task: a product stated two to four times, so that the model learns to copy
-    numbers from one place to the next (it cannot learn the products: a tool computes them)."""
+    """Pretraining text for the tool task: a product stated two to four times, or a question worked through with
+    the calculator in plain text; either way the model learns to copy numbers from one place to the next (it cannot
+    learn the products: a tool computes them). The questions are SFT's phrasings only (TOOL_Q[:5])."""
     a, b = rng.randint(10, 99), rng.randint(10, 99)
-    return " ".join(rng.choice(PRODUCT_EN + PRODUCT_ZH).format(a=a, b=b, p=a * b) for _ in range(rng.randint(2, 4)))
+    if rng.random() < 0.5:
+        return " ".join(rng.choice(PRODUCT_EN + PRODUCT_ZH).format(a=a, b=b, p=a * b) for _ in range(rng.randint(2, 4)))
+    question = rng.choice(TOOL_Q[:5]).format(a=a, b=b)
+    answer = TOOL_A["zh" if "乘" in question else "en"].format(p=a * b)
+    return (f'{question}\ncalculate_math {{"expression": "{a} * {b}"}}\n{{"result": {a * b}}}\n{answer}')
 
 
 def tool_pairs(rng, n: int, low: int = 10, high: int = 99) -> list[tuple[int, int]]:

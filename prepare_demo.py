@@ -67,12 +67,14 @@ def main(argv=None):
     schemas = load_toolbox("calculate_math").schemas
     pairs = tool_pairs(rng, args.tool_sft + args.tool_rl + args.tool_eval)
     rng.shuffle(pairs)
-    ask = lambda a, b: rng.choice(TOOL_Q).format(a=a, b=b)  # noqa: E731
+    ask = lambda a, b, phrasings: rng.choice(phrasings).format(a=a, b=b)  # noqa: E731
     sft_pairs, rl_pairs = pairs[: args.tool_sft], pairs[args.tool_sft : args.tool_sft + args.tool_rl]
     write_jsonl(f"{args.out_dir}/tools_pretrain.jsonl", ({"text": product_document(rng)} for _ in range(args.tool_docs)))
-    write_jsonl(f"{args.out_dir}/tools_sft.jsonl", [tool_record(a, b, ask(a, b), schemas) for a, b in sft_pairs])
-    write_jsonl(f"{args.out_dir}/tools_rl.jsonl", [tool_record(a, b, ask(a, b), schemas, False) for a, b in rl_pairs])
-    write_jsonl(f"{args.out_dir}/tools_eval.jsonl", [tool_record(a, b, ask(a, b), schemas, False)
+    write_jsonl(f"{args.out_dir}/tools_sft.jsonl",  # SFT's five phrasings; RL and the evaluation ask all seven
+                [tool_record(a, b, ask(a, b, TOOL_Q[:5]), schemas) for a, b in sft_pairs])
+    write_jsonl(f"{args.out_dir}/tools_rl.jsonl",
+                [tool_record(a, b, ask(a, b, TOOL_Q), schemas, False) for a, b in rl_pairs])
+    write_jsonl(f"{args.out_dir}/tools_eval.jsonl", [tool_record(a, b, ask(a, b, TOOL_Q), schemas, False)
                                                      for a, b in pairs[args.tool_sft + args.tool_rl :]])
     print(f"wrote {args.out_dir}/: {len(docs)} pretraining documents, {args.sft} conversations, "
           f"{args.dpo} + 200 DPO pairs, {len(evals)} held-out questions, {len(rl_train)} + {len(rl_eval)} RL prompts, "

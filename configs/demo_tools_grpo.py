@@ -1,6 +1,7 @@
 # Agent RL of the tool task's SFT model (configs/demo_tools_sft.py): each completion may call the calculator and read
 # its result before answering (up to 3 turns); rewarded for the right product in the answer and for well-formed
-# calls. The held-out prompts ask about products no training prompt asks.
+# calls. RL and the held-out prompts ask about products no SFT conversation asks, in seven phrasings of which SFT
+# saw five.
 out_dir = "out/demo/tools_grpo"
 init_from = "out/demo/tools_sft/best.pt"
 data_path = "data/demo/tools_rl.jsonl"
@@ -16,7 +17,7 @@ loss_type = "cispo"
 beta = 0.0
 batch_size = 8
 max_steps = 30
-lr = 1e-4
+lr = 1e-4  # 3e-4 went from 81% down to 74% and back to 81% in 40 steps
 min_lr = 1e-5
 warmup_steps = 5
 log_interval = 5

@@ -7,8 +7,8 @@ val_fraction = 0.05
 max_seq_len = 384
 flash = True
 batch_size = 16
-# 220 steps: the model learns to copy the numbers into the call within a few dozen steps around the 180th (at 160 it
-# still got 3% of the held-out calls right, at 200 97%); a little after that, so RL starts from a model that calls
+# 220 steps: held-out answers right after 120, 160, 200, 220 steps of this schedule: 12%, 45%, 70%, 81%
+# (docs/tools.md); agent RL goes on from there
 max_steps = 220
 lr = 2e-3
 min_lr = 2e-4
