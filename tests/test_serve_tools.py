@@ -60,13 +60,18 @@ def chatml_ckpt(tmp_path_factory):
     return ckpt
 
 
-@pytest.fixture(scope="module")
-def client(chatml_ckpt):
-    """serve.py in a subprocess, the real engine behind it."""
-    proc, url, _ = start_server(chatml_ckpt)
+def serving(ckpt):
+    """serve.py on ckpt in a subprocess and an openai client of it, until the fixture ends."""
+    proc, url, _ = start_server(ckpt)
     yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     proc.terminate()
     proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(chatml_ckpt):
+    """serve.py in a subprocess, the real engine behind it."""
+    yield from serving(chatml_ckpt)
 
 
 class Scripted:
@@ -280,10 +285,7 @@ def test_thinking_opens_the_think_block_and_returns_reasoning_content(scripted, 
 @pytest.fixture(scope="module")
 def tools_client(tiny_tools):
     """serve.py with the tiny model trained on the demo's tool-calling conversations."""
-    proc, url, _ = start_server(tiny_tools)
-    yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    proc.terminate()
-    proc.wait()
+    yield from serving(tiny_tools)
 
 
 @pytest.mark.parametrize("language", ["en", "zh"])
