@@ -17,7 +17,7 @@ import torch
 
 from chat import encode_chat, json_field
 from errors import BadRecord, DataError
-from token_cache import Records, expand_paths, load_split, parse_line, text_lines
+from token_cache import Records, expand_paths, held_out, load_split, parse_line, text_lines
 from tools import check_tools
 
 
@@ -256,9 +256,7 @@ def prompt_loaders(cfg, tokenizer, run, need_reference: bool) -> tuple[PromptLoa
     if cfg.val_data_path:
         train, val = prompts, read(cfg.val_data_path)
     else:
-        n_val = max(1, round(len(prompts) * cfg.val_fraction))
-        if n_val >= len(prompts):
-            raise DataError(f"{cfg.data_path}: {len(prompts)} prompts are too few to hold out {n_val} for validation")
+        n_val = held_out(len(prompts), cfg.val_fraction, cfg.data_path, "prompts")
         train, val = prompts[:-n_val], prompts[-n_val:]
     args = dict(pad_id=tokenizer.pad_id, seed=cfg.seed, rank=run.rank, world_size=run.world_size)
     return (PromptLoader(train, cfg.batch_size, name="training prompts", **args),

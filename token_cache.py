@@ -489,7 +489,12 @@ def load_split(data_path: str, val_data_path: str | None, val_fraction: float, t
     records = tokenize_file(data_path, tokenizer, kind, **options)
     if val_data_path:
         return records, tokenize_file(val_data_path, tokenizer, kind, **options)
-    n_val = max(1, round(len(records) * val_fraction))
-    if n_val >= len(records):
-        raise DataError(f"{data_path}: {len(records)} records are too few to hold out {n_val} for validation")
-    return records.split(len(records) - n_val)
+    return records.split(len(records) - held_out(len(records), val_fraction, data_path, "records"))
+
+
+def held_out(n: int, val_fraction: float, data_path: str, items: str) -> int:
+    """How many of n items the last val_fraction holds out for validation: at least one, and never all."""
+    n_val = max(1, round(n * val_fraction))
+    if n_val >= n:
+        raise DataError(f"{data_path}: {n} {items} are too few to hold out {n_val} for validation")
+    return n_val

@@ -92,3 +92,11 @@ def test_a_validation_file_is_the_validation_set_and_training_keeps_every_record
     train, val = load_split(path, val_path, 0.2, tok, kind, verbose=False, **OPTIONS[kind])
     assert ids_of(train, tok) == list(range(20))
     assert ids_of(val, tok) == list(range(1000, 1005))
+
+
+def test_the_held_out_share_is_at_least_one_item_and_never_all():
+    from errors import DataError
+    from token_cache import held_out
+    assert (held_out(10, 0.05, "d.jsonl", "prompts"), held_out(100, 0.05, "d.jsonl", "prompts")) == (1, 5)
+    with pytest.raises(DataError, match="d.jsonl: 1 prompts are too few to hold out 1 for validation"):
+        held_out(1, 0.05, "d.jsonl", "prompts")
