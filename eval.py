@@ -51,7 +51,7 @@ from rewards import answer_reward, reference
 from reward_model import bradley_terry_loss, reward_model_from_checkpoint, score_ids
 from runtime import setup
 from token_cache import parse_line, tokenize_file
-from tools import call_problem, check_tools, converse, load_toolbox, parse_reply
+from tools import call_problem, check_tools, converse, load_toolbox, parse_reply, written_calls
 
 
 @dataclasses.dataclass
@@ -598,11 +598,9 @@ def answer_right(answer: str, record: dict) -> bool:
 def conversation_score(p, t, functions: dict[str, dict]) -> dict:
     """One trajectory's figures: every call it wrote (run or not: the last turn's are not), how many fit the
     functions offered, and whether it answered right."""
-    calls = [c for m in t.messages[len(p.messages):] if m["role"] == "assistant" for c in m.get("tool_calls", [])]
-    last = parse_reply(t.text)
-    calls += last.calls
+    calls, _ = written_calls(t.messages[len(p.messages):], t.text)  # the blocks that were not: t.malformed
     return {"calls": len(calls), "fitting": sum(call_problem(c, functions) is None for c in calls),
-            "right": t.finish_reason == "stop" and answer_right(last.content, p.record)}
+            "right": t.finish_reason == "stop" and answer_right(parse_reply(t.text).content, p.record)}
 
 
 def steps_of(p, t) -> list[list[str]]:

@@ -17,7 +17,7 @@ import re
 
 from chat import json_field
 from errors import BadRecord, ConfigError
-from tools import as_call, call_problem, check_tools, parse_reply, user_module
+from tools import call_problem, check_tools, user_module, written_calls
 
 # an integer (thousands may be grouped by commas: 1,000), a decimal fraction, a sign
 NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
@@ -74,12 +74,9 @@ def calls_reward(messages: list[dict], completion: str) -> float:
     except BadRecord as e:
         raise ValueError(str(e)) from None
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
-    turns = [m for m in messages[last_user + 1:] if m.get("role") == "assistant"]
-    replies = [parse_reply(m.get("content") or "") for m in turns] + [parse_reply(completion)]
-    written = [as_call(c) for m in turns for c in json_field(m.get("tool_calls") or [], "tool_calls")]
-    calls = [c for c in written if c is not None] + replies[-1].calls
-    bad = sum(r.malformed for r in replies) + written.count(None) + sum(call_problem(c, functions) is not None
-                                                                        for c in calls)
+    turns = [m | {"tool_calls": json_field(m.get("tool_calls") or [], "tool_calls")} for m in messages[last_user + 1:]]
+    calls, malformed = written_calls(turns, completion)
+    bad = malformed + sum(call_problem(c, functions) is not None for c in calls)
     if not calls and not bad:
         return 0.0
     return 0.5 if bad == 0 else -0.5 * bad

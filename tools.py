@@ -85,6 +85,17 @@ def parse_reply(text: str) -> Reply:
     return Reply(reasoning, ("".join(kept) + rest).strip(), calls, malformed)
 
 
+def written_calls(turns: list[dict], last: str) -> tuple[list[dict], int]:
+    """The calls a conversation's turns wrote -> (the calls, {"name", "arguments": dict}, in order; the blocks
+    that were not calls). turns: its messages after the prompt (their assistant tool_calls and content); last: the
+    last turn's text, whose calls were never run."""
+    written = [as_call(c) for m in turns if m.get("role") == "assistant" for c in m.get("tool_calls") or []]
+    replies = [parse_reply(m.get("content") or "") for m in turns if m.get("role") == "assistant"]
+    replies.append(parse_reply(last))
+    calls = [c for c in written if c is not None] + replies[-1].calls
+    return calls, written.count(None) + sum(r.malformed for r in replies)
+
+
 def call_text(call: dict) -> str:
     """A call as the template writes it (and a model trained on it does)."""
     arguments = json.dumps(call["arguments"], ensure_ascii=False)
