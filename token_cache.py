@@ -215,8 +215,7 @@ _worker: dict = {}
 
 
 def _init_worker(tokenizer, kind, path, options, skip_bad, dtypes):
-    # a forked worker inherits the trainer's handlers, under which SIGTERM would not end it: restore the
-    # defaults, and leave Ctrl-C to the parent
+    # a worker must die on SIGTERM, and leave Ctrl-C to the parent
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker.update(tokenizer=tokenizer, kind=kind, path=path, options=options, skip_bad=skip_bad, dtypes=dtypes)
@@ -253,12 +252,21 @@ def array_dtypes(kind: str, tokenizer) -> list[np.dtype]:
     return [np.dtype(np.uint8) if name == "mask" else ids for name in ARRAYS[kind]]
 
 
+def worker_context():
+    """Workers forked from a server process that only imported this module, never from the caller: a fork of a
+    process with other threads (a server's, a progress bar's) copies the locks they hold, and one of the caller's
+    signal handlers (a training run's SIGTERM) would keep a worker alive until its initializer ran."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # started once per process; its forks need not import anything
+    return ctx
+
+
 def encode_chunks(path: str, tokenizer, kind: str, options: dict, skip_bad: bool, processes: int, chunk_bytes: int):
     """The workers' results for path's chunks, in file order. At most two chunks per process are in flight, so
     memory does not grow with the file, even when writing falls behind (Pool.imap would queue results)."""
     initargs = (tokenizer, kind, path, options, skip_bad, array_dtypes(kind, tokenizer))
     # leaving the block terminates the workers: they must die on SIGTERM (see _init_worker)
-    with multiprocessing.Pool(processes, _init_worker, initargs) as pool:
+    with worker_context().Pool(processes, _init_worker, initargs) as pool:
         pending = deque()
         for task in read_chunks(path, chunk_bytes):
             pending.append(pool.apply_async(_encode_chunk, (task,)))

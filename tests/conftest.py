@@ -1,10 +1,12 @@
 """What several test files share: the demo data and the tiny models trained on it, tiny training runs and their
 metrics, nanomind's own tokenizer and data files, strings for tokenizer tests, serve.py in a subprocess."""
 import dataclasses
+import faulthandler
 import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +21,25 @@ from model import ModelConfig, Transformer
 from tokenizer import load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+STUCK_S = 900  # a test (its fixtures included) still running after this is stuck, even on a loaded machine
+
+
+def stuck(signum, frame):
+    faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)  # lands in the report's captured stderr
+    raise TimeoutError(f"stuck for {STUCK_S} s: every thread's stack is in the captured stderr")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test that hangs fails with every thread's stack, and the suite goes on instead of running out its time."""
+    previous = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(STUCK_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 # every in-process training run in the tests: a tiny model, float32 on the CPU, a fixed MFU peak
 TINY_MODEL = ["--dim=32", "--n_layers=2", "--n_heads=4", "--n_kv_heads=2", "--max_seq_len=32"]

@@ -1,5 +1,6 @@
 """token_cache.py, data files to token records: each format and its bad lines (file:line), a cache reused, rebuilt and
 never trusted half-written; at real sizes flat memory, a direct encoding's arrays, several files read as one."""
+import copy
 import glob
 import json
 import os
@@ -132,12 +133,10 @@ def test_the_cache_is_reused_and_rebuilt_when_source_or_tokenizer_change(tok, tm
     assert second[0][0].tolist() != first[0][0].tolist()
     assert tok.decode(second[0][0]) == "<s>hello there world</s>"
 
-    class OtherTokenizer:  # same ids, another fingerprint: the cache must not be trusted
-        def __getattr__(self, name):
-            return getattr(tok, name)
-        fingerprint = "another"
+    other = copy.copy(tok)  # same ids, another fingerprint: the cache must not be trusted
+    other.fingerprint = "another"
     stamp = os.stat(cache).st_mtime_ns
-    tokenize_file(path, OtherTokenizer(), "pretrain", processes=1, verbose=False)
+    tokenize_file(path, other, "pretrain", processes=1, verbose=False)
     assert os.stat(cache).st_mtime_ns != stamp
 
 
@@ -184,10 +183,12 @@ def as_lists(records) -> list[list[int]]:
 # --- memory ---------------------------------------------------------------------------------------
 
 BUILD = """
-import json, resource, sys
+import json, multiprocessing, resource, sys
 import token_cache
 from tokenizer import load_tokenizer
 tok = load_tokenizer()
+# forked from this one-threaded process, the workers are its children, and RUSAGE_CHILDREN sees their peaks
+token_cache.worker_context = lambda: multiprocessing.get_context("fork")
 def vm(field):  # bytes, from /proc/self/status
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
@@ -223,6 +224,22 @@ def test_peak_memory_stays_flat_as_the_file_grows(tmp_path, pool):
     large = write_corpus(tmp_path / "large.jsonl", 12, pool, seed=2)
     peaks = {name: build_peak(path, 1 << 16) for name, path in (("small", small), ("large", large))}
     assert peaks["large"] <= 1.2 * peaks["small"] + (1 << 20), peaks  # + 1 MB: allocator noise
+
+
+# --- workers --------------------------------------------------------------------------------------
+
+def test_a_worker_dies_on_sigterm_whatever_handler_its_caller_has():
+    # a training run catches SIGTERM (runtime.StopSignal): a worker forked from it would catch it too until its
+    # initializer ran, and a pool terminated in that window would wait for that worker forever
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        worker = token_cache.worker_context().Process(target=time.sleep, args=(60,))
+        worker.start()
+        worker.terminate()
+        worker.join(30)
+        assert worker.exitcode == -signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # --- a killed build -------------------------------------------------------------------------------
