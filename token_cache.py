@@ -27,7 +27,6 @@ import time
 from collections import Counter, deque
 
 import numpy as np
-import torch
 
 from chat import encode_chat
 from errors import BadRecord, DataError
@@ -466,9 +465,7 @@ def file_records(path: str, tokenizer, kind: str, skip_bad: bool, processes: int
 
 def other_ranks_wait() -> str:
     """Under torchrun, train_*.py let rank 0 tokenise while the other ranks wait (run.rank0_first()): say so."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return ""
-    others = torch.distributed.get_world_size() - 1
+    others = int(os.environ.get("WORLD_SIZE", "1")) - 1  # torchrun's; read here so the workers need no torch
     return f"; the other {others} rank(s) wait for it" if others else ""
 
 
