@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from runtime import Run, print0, synchronize
+from runtime import Run, all_reduce_mean, print0, synchronize
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -166,6 +166,11 @@ class MetricsLog:
             self.wandb.log(row, step=row["step"])
         if echo:
             print0(console_line(row, self.max_steps))
+
+
+def experts_row(model, aux_loss: torch.Tensor, run: Run) -> dict:
+    """A log row's aux_loss (the experts' load-balancing loss, mean over ranks) for a model with experts."""
+    return {"aux_loss": all_reduce_mean(aux_loss, run).item()} if model.config.n_experts else {}
 
 
 def group_grad_norms(model) -> dict[str, float]:

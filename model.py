@@ -32,6 +32,20 @@ class ModelConfig:
     tie_embeddings: bool = True  # the LM head is the token embedding
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (minimind-3, Qwen3)
     head_dim: int | None = None  # None -> dim / n_heads
+    # --- mixture of experts (MiniMind's MOEFeedForward, Qwen3-MoE): each token's feed-forward is its top
+    # experts_per_token of n_experts SwiGLUs, weighted by the router's softmax
+    n_experts: int = 0  # 0: dense, one feed-forward per block
+    experts_per_token: int = 1
+    moe_ffn_dim: int | None = None  # each expert's hidden width; None -> ffn_dim
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1
+    router_aux_loss_coef: float = 5e-4  # the load-balancing loss added to the training loss (switch-style)
+    # --- RoPE scaling: YaRN (as transformers computes it) for a model run past the length it was trained at
+    rope_scaling: str | None = None  # None or "yarn"
+    rope_factor: float = 16.0  # how many times longer than rope_original_max_len
+    rope_original_max_len: int = 2048
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float | None = None  # cos/sin scale; None -> 0.1 ln(rope_factor) + 1
     # --- model switches: how it computes, not what
     flash: bool | None = None  # attention: True SDPA, False the explicit math path; None: SDPA on CUDA only
     grad_checkpoint: bool = False  # recompute each block in backward: less memory, more compute
@@ -47,16 +61,42 @@ class ModelConfig:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
         if self.ffn_dim is None:
             self.ffn_dim = 64 * math.ceil(8 * self.dim / 3 / 64)
+        if self.n_experts:
+            if not 1 <= self.experts_per_token <= self.n_experts:
+                raise ValueError(f"experts_per_token ({self.experts_per_token}) must be 1..n_experts ({self.n_experts})")
+            self.moe_ffn_dim = self.moe_ffn_dim or self.ffn_dim
+        if self.rope_scaling not in (None, "yarn"):
+            raise ValueError(f"rope_scaling: {self.rope_scaling!r} is not one nanomind knows (None or 'yarn')")
 
     def uses_flash(self, device_type: str) -> bool:
         return self.flash if self.flash is not None else device_type == "cuda"
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every (position, frequency) angle, each (max_seq_len, D/2), in float32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+    D = config.head_dim
+    wavelengths = config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)  # theta^(2i/D): each pair's wavelength / 2 pi
+    inv_freq, scale = yarn(wavelengths, config) if config.rope_scaling == "yarn" else (1.0 / wavelengths, 1.0)
+    angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos() * scale, angles.sin() * scale
+
+
+def yarn(wavelengths: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original length are divided by the
+    factor (interpolated), those that turn more than beta_fast times are kept, a linear ramp between; and the
+    attention factor that cos and sin are multiplied by."""
+    D, factor, original = config.head_dim, config.rope_factor, config.rope_original_max_len
+
+    def dim_of(turns):  # the dimension whose frequency turns `turns` times over the original length
+        return D * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+    low, high = max(math.floor(dim_of(config.rope_beta_fast)), 0), min(math.ceil(dim_of(config.rope_beta_slow)), D - 1)
+    ramp = ((torch.arange(D // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    scale = config.rope_attention_factor
+    if scale is None:
+        scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    kept = 1 - ramp  # written as transformers writes it, so that the float32 tables are the same
+    return 1.0 / (factor * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept, scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -190,15 +230,51 @@ def reference_attention(q, k, v, start_pos: int | torch.Tensor = 0) -> torch.Ten
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, hidden: int | None = None):
         super().__init__()
-        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)  # gate
-        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)  # up
-        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)  # down
+        hidden = hidden or config.ffn_dim
+        self.w1 = nn.Linear(config.dim, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(config.dim, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, config.dim, bias=False)  # down
         self.dropout = config.dropout
 
     def forward(self, x):
         return F.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)), self.dropout, self.training)
+
+
+class MoEFeedForward(nn.Module):
+    """n_experts SwiGLUs and a router: each token goes to its experts_per_token experts of highest softmax score
+    and gets their outputs weighted by those scores. Only the chosen experts run, each on its own tokens."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.gate = nn.Linear(config.dim, config.n_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(FeedForward(config, config.moe_ffn_dim) for _ in range(config.n_experts))
+        self.aux_loss = torch.zeros(())  # the load-balancing loss of the last forward
+        self.load = torch.zeros(config.n_experts)  # the share of token slots each expert took, last forward
+
+    def forward(self, x):
+        c, shape = self.config, x.shape
+        x = x.reshape(-1, shape[-1])  # (N, dim): the tokens
+        scores = self.gate(x).float().softmax(dim=-1)  # (N, E)
+        weights, chosen = scores.topk(c.experts_per_token, dim=-1)  # (N, k)
+        if c.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        # the (token, slot) pairs sorted by expert: each expert's tokens are one contiguous run
+        order = chosen.flatten().argsort(stable=True)
+        counts = torch.bincount(chosen.flatten(), minlength=c.n_experts)
+        rows, slot_weights = order // c.experts_per_token, weights.flatten()[order, None]
+        y, start = torch.zeros_like(x), 0
+        for expert, n in zip(self.experts, counts.tolist()):
+            # an expert no token chose runs on no rows: its gradients are zeros, never missing (DDP needs them)
+            run = rows[start : start + n]
+            y.index_add_(0, run, (expert(x[run]) * slot_weights[start : start + n]).to(y.dtype))
+            start += n
+        self.load = counts.float() / counts.sum()
+        # switch-style: n_experts x the sum over experts of (share of slots taken) x (mean router score)
+        self.aux_loss = c.router_aux_loss_coef * c.n_experts * (counts.float() / x.size(0) * scores.mean(0)).sum()
+        return y.view(shape)
 
 
 class Block(nn.Module):
@@ -207,7 +283,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = MoEFeedForward(config) if config.n_experts else FeedForward(config)
 
     def forward(self, x, cos, sin, cache=None, start_pos: int | torch.Tensor = 0):
         x = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
@@ -225,7 +301,7 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # RoPE tables are derived from the config, so they stay out of the state dict
-        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -283,8 +359,20 @@ class Transformer(nn.Module):
         # clamp: a batch with nothing to learn gives loss 0 (and zero gradients), never 0/0 = NaN
         return logits, (ce * loss_mask).sum() / loss_mask.sum().clamp(min=1)
 
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())  # a tied weight is one parameter, counted once
+    def aux_loss(self) -> torch.Tensor:
+        """The experts' load-balancing loss of the last forward, summed over the layers (0 for a dense model):
+        the training stages add it to their loss."""
+        return sum((m.aux_loss for m in self.modules() if isinstance(m, MoEFeedForward)), torch.zeros(()))
+
+    def num_params(self, active: bool = False) -> int:
+        """All parameters (a tied weight counted once), or those one token uses: experts_per_token of n_experts."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - (self.idle_expert_params() if active else 0)
+
+    def idle_expert_params(self) -> int:
+        """The parameters of the experts a token does not use, over all layers."""
+        c = self.config
+        return c.n_layers * (c.n_experts - c.experts_per_token) * 3 * c.dim * c.moe_ffn_dim if c.n_experts else 0
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3x forward), the numerator of MFU."""
@@ -293,6 +381,7 @@ class Transformer(nn.Module):
         n = sum(p.numel() for p in self.parameters() if p.dim() >= 2)
         if not self.config.tie_embeddings:
             n -= self.tok_embeddings.weight.numel()
+        n -= self.idle_expert_params()  # a token runs only its chosen experts
         # causal attention: a token at position t does q.k and p.v over t keys, 2 * 2 * H * D * t FLOPs per layer
         # forward; the mean of t over the sequence is seq_len / 2
         attention = 2 * self.config.n_layers * self.config.n_heads * self.config.head_dim * seq_len

@@ -14,7 +14,7 @@ from config import PretrainConfig, load_config
 from data import pretrain_loaders
 from errors import ConfigError, cli
 from losses import count_token_bytes, perplexity, validation_loss
-from metrics import MetricsLog, StepTimer, start_profiler
+from metrics import MetricsLog, StepTimer, experts_row, start_profiler
 from model import ModelConfig, Transformer
 from optim import get_lr, schedule_length, set_lr
 from runtime import StopSignal, all_reduce_mean, print0, print_run, setup, teardown, wrap
@@ -44,16 +44,18 @@ def main(argv: list[str]):
 
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
-        loss_sum = torch.zeros((), device=run.device)
+        loss_sum, aux_sum = torch.zeros((), device=run.device), torch.zeros((), device=run.device)
         for micro_step in range(cfg.accum_steps):
             with timer.phase("data"):
                 X, Y, loss_mask, _ = loader.next_batch()
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
                     _, loss = model(X, Y, loss_mask)
+                    aux = raw_model.aux_loss()  # the experts' load balancing (0 for a dense model)
                 with timer.phase("backward"):
-                    scaler.scale(loss / cfg.accum_steps).backward()
+                    scaler.scale((loss + aux) / cfg.accum_steps).backward()
             loss_sum += loss.detach()
+            aux_sum += aux.detach()
             timer.count(X, raw_model.flops_per_token(X.size(1)))
         with timer.phase("optimizer"):
             loss = all_reduce_mean(loss_sum / cfg.accum_steps, run)  # all ranks must step, or skip, alike
@@ -72,7 +74,8 @@ def main(argv: list[str]):
         if step % cfg.log_interval == 0 or step == max_steps:  # the loop's only host syncs (.item())
             skipped = guard.report(step, loss.item(), grad_norm.item())  # names skipped steps; too many stop the run
             log.write({"step": step, "loss": loss.item(), "ppl": perplexity(loss.item()), "lr": lr,
-                       "grad_norm": grad_norm.item(), "skipped_steps": skipped, **timer.read(step)})
+                       "grad_norm": grad_norm.item(), "skipped_steps": skipped, **timer.read(step),
+                       **experts_row(raw_model, aux_sum / cfg.accum_steps, run)})
             stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step == max_steps:
             with timer.paused():

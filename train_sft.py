@@ -13,7 +13,7 @@ from config import SFTConfig, load_config
 from data import sft_loaders
 from errors import ConfigError, cli
 from losses import count_token_bytes, perplexity, validation_loss
-from metrics import MetricsLog, StepTimer, start_profiler
+from metrics import MetricsLog, StepTimer, experts_row, start_profiler
 from optim import get_lr, schedule_length, set_lr
 from runtime import StopSignal, all_reduce_mean, all_reduce_sum, print0, print_run, setup, teardown, wrap
 from tokenizer import load_tokenizer
@@ -49,15 +49,17 @@ def main(argv: list[str]):
         with timer.phase("data"):
             batches = [loader.next_batch() for _ in range(cfg.accum_steps)]
             n_tokens = all_reduce_sum(sum(loss_mask.sum() for _, _, loss_mask, _ in batches), run).clamp(min=1)
-        loss_sum = torch.zeros((), device=run.device)
+        loss_sum, aux_sum = torch.zeros((), device=run.device), torch.zeros((), device=run.device)
         for micro_step, (X, Y, loss_mask, _) in enumerate(batches):
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
                     _, ce_sum = model(X, Y, loss_mask, reduction="sum")  # over this micro-batch's answer tokens
                     loss = ce_sum * run.world_size / n_tokens  # x world_size: DDP averages the ranks' gradients
+                    aux = raw_model.aux_loss()  # the experts' load balancing (0 for a dense model)
                 with timer.phase("backward"):
-                    scaler.scale(loss).backward()
+                    scaler.scale(loss + aux / cfg.accum_steps).backward()
             loss_sum += loss.detach()
+            aux_sum += aux.detach()
             timer.count(X, raw_model.flops_per_token(X.size(1)))
         with timer.phase("optimizer"):
             loss = all_reduce_mean(loss_sum, run)  # = the whole step's sum / n_tokens, the same on every rank
@@ -76,7 +78,8 @@ def main(argv: list[str]):
         if step % cfg.log_interval == 0 or step == max_steps:  # the loop's only host syncs (.item())
             skipped = guard.report(step, loss.item(), grad_norm.item())  # names skipped steps; too many stop the run
             log.write({"step": step, "loss": loss.item(), "ppl": perplexity(loss.item()), "lr": lr,
-                       "grad_norm": grad_norm.item(), "skipped_steps": skipped, **timer.read(step)})
+                       "grad_norm": grad_norm.item(), "skipped_steps": skipped, **timer.read(step),
+                       **experts_row(raw_model, aux_sum / cfg.accum_steps, run)})
             stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step % steps_per_epoch == 0 or step == max_steps:
             with timer.paused():
