@@ -359,11 +359,6 @@ class Transformer(nn.Module):
         # clamp: a batch with nothing to learn gives loss 0 (and zero gradients), never 0/0 = NaN
         return logits, (ce * loss_mask).sum() / loss_mask.sum().clamp(min=1)
 
-    def aux_loss(self) -> torch.Tensor:
-        """The experts' load-balancing loss of the last forward, summed over the layers (0 for a dense model):
-        the training stages add it to their loss."""
-        return sum((m.aux_loss for m in self.modules() if isinstance(m, MoEFeedForward)), torch.zeros(()))
-
     def num_params(self, active: bool = False) -> int:
         """All parameters (a tied weight counted once), or those one token uses: experts_per_token of n_experts."""
         n = sum(p.numel() for p in self.parameters())
@@ -386,3 +381,9 @@ class Transformer(nn.Module):
         # forward; the mean of t over the sequence is seq_len / 2
         attention = 2 * self.config.n_layers * self.config.n_heads * self.config.head_dim * seq_len
         return 3 * (2 * n + attention)
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor:
+    """The experts' load-balancing loss of model's last forward, summed over its layers (0 for a dense model):
+    the training stages add it to their loss. model may be wrapped (DDP, torch.compile, a reward head)."""
+    return sum((m.aux_loss for m in model.modules() if isinstance(m, MoEFeedForward)), torch.zeros(()))

@@ -22,8 +22,8 @@ from config import DistillConfig, load_config
 from data import pretrain_loaders, sft_loaders
 from errors import ConfigError, cli
 from losses import evaluate, perplexity
-from metrics import MetricsLog, StepTimer, start_profiler
-from model import ModelConfig, Transformer
+from metrics import MetricsLog, StepTimer, experts_row, start_profiler
+from model import ModelConfig, Transformer, aux_loss
 from optim import get_lr, schedule_length, set_lr
 from runtime import StopSignal, all_reduce_mean, all_reduce_sum, print0, print_run, setup, teardown, wrap
 from tokenizer import load_tokenizer
@@ -122,6 +122,7 @@ def main(argv: list[str]):
             batches = [loader.next_batch() for _ in range(cfg.accum_steps)]
             n_tokens = all_reduce_sum(sum(loss_mask.sum() for _, _, loss_mask, _ in batches), run).clamp(min=1)
         sums = torch.zeros(3, device=run.device)  # loss, KL, cross-entropy
+        aux_sum = torch.zeros((), device=run.device)
         for micro_step, (X, Y, loss_mask, _) in enumerate(batches):
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
@@ -131,8 +132,10 @@ def main(argv: list[str]):
                     loss_sum, kl_sum, ce_sum = distill_loss(logits, teacher_logits, ce, loss_mask, cfg.alpha,
                                                             cfg.temperature)
                     loss = loss_sum * run.world_size / n_tokens  # x world_size: DDP averages the ranks' gradients
+                    aux = aux_loss(model)  # the student's experts' load balancing (0 for a dense model)
                 with timer.phase("backward"):
-                    scaler.scale(loss).backward()
+                    scaler.scale(loss + aux / cfg.accum_steps).backward()
+            aux_sum += aux.detach()
             sums += torch.stack([loss.detach(), kl_sum * run.world_size / n_tokens, ce_sum * run.world_size / n_tokens])
             # the student's training FLOPs and the teacher's forward (a third of training's)
             timer.count(X, raw_model.flops_per_token(X.size(1)) + teacher.flops_per_token(X.size(1)) / 3)
@@ -153,7 +156,8 @@ def main(argv: list[str]):
         if step % cfg.log_interval == 0 or step == max_steps:  # the loop's only host syncs (.item())
             skipped = guard.report(step, loss.item(), grad_norm.item())  # names skipped steps; too many stop the run
             log.write({"step": step, "loss": loss.item(), "kl": kl.item(), "ce": ce.item(), "ppl": perplexity(ce.item()),
-                       "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped, **timer.read(step)})
+                       "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped, **timer.read(step),
+                       **experts_row(raw_model, aux_sum / cfg.accum_steps, run)})
             stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step == max_steps:
             with timer.paused():

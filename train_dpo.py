@@ -24,7 +24,8 @@ from config import DPOConfig, load_config
 from data import Loader, dpo_loaders
 from errors import cli
 from losses import bits_per_byte, count_token_bytes, evaluate, lm_sums, sequence_logprobs
-from metrics import MetricsLog, StepTimer, start_profiler
+from metrics import MetricsLog, StepTimer, experts_row, start_profiler
+from model import aux_loss
 from optim import get_lr, schedule_length, set_lr
 from runtime import StopSignal, all_reduce_mean, print0, print_run, setup, teardown, wrap
 from token_cache import expand_paths, file_digest
@@ -94,17 +95,19 @@ def reference_tables(ref_path: str, cfg, loaders: dict[str, Loader], run) -> dic
 
 
 def pair_loss(policy, reference: Reference, batch, split: str, cfg):
-    """DPO loss and metrics of a batch: chosen rows first, then rejected, through one forward pass each model."""
+    """DPO loss and metrics of a batch, and the policy's aux loss: chosen rows first, then rejected, through one
+    forward pass each model."""
     X, Y, loss_mask, idx = batch
     logps = sequence_logprobs(policy, X, Y, loss_mask, cfg.length_norm)
-    return dpo_loss(*logps.chunk(2), *reference.logprobs(X, Y, loss_mask, idx, split), cfg.beta)
+    aux = aux_loss(policy)  # taken before the reference runs: with LoRA it is this same model, adapters off
+    return *dpo_loss(*logps.chunk(2), *reference.logprobs(X, Y, loss_mask, idx, split), cfg.beta), aux
 
 
 def validation_metrics(model, reference: Reference, val_loader, cfg, run, token_bytes) -> dict[str, float]:
     """val_loss, the validation rewards and val_bpb (bits per byte of the chosen answers, comparable with SFT's),
     on the first eval_steps validation batches."""
     def batch_sums(X, Y, loss_mask, idx):
-        loss, metrics = pair_loss(model, reference, (X, Y, loss_mask, idx), "val", cfg)  # means over the pairs
+        loss, metrics, _ = pair_loss(model, reference, (X, Y, loss_mask, idx), "val", cfg)  # means over the pairs
         n = X.size(0) // 2  # pairs: the chosen rows come first
         chosen = lm_sums(model, X[:n], Y[:n], loss_mask[:n], token_bytes)
         return {"loss": loss * n, **{k: v * n for k, v in metrics.items()}, "pairs": loss.new_tensor(n),
@@ -158,15 +161,17 @@ def main(argv: list[str]):
         # DPO's loss is a mean over pairs, and every micro-batch holds batch_size pairs: the mean of the
         # micro-batches' means is the mean over the whole step's pairs, on every rank alike
         sums = torch.zeros(1 + len(METRICS), device=run.device)  # the loss, then METRICS
+        aux_sum = torch.zeros((), device=run.device)
         for micro_step in range(cfg.accum_steps):
             with timer.phase("data"):
                 batch = loader.next_batch()
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
-                    loss, metrics = pair_loss(model, reference, batch, "train", cfg)
+                    loss, metrics, aux = pair_loss(model, reference, batch, "train", cfg)
                 with timer.phase("backward"):
-                    scaler.scale(loss / cfg.accum_steps).backward()
+                    scaler.scale((loss + aux) / cfg.accum_steps).backward()
             sums += torch.stack([loss.detach(), *(metrics[k].float() for k in METRICS)])
+            aux_sum += aux.detach()
             timer.count(batch[0], raw_model.flops_per_token(batch[0].size(1)))
         with timer.phase("optimizer"):
             loss, *metrics = all_reduce_mean(sums / cfg.accum_steps, run)  # all ranks must step, or skip, alike
@@ -186,7 +191,8 @@ def main(argv: list[str]):
             means = dict(zip(METRICS, torch.stack(metrics).tolist()))
             skipped = guard.report(step, loss.item(), grad_norm.item())  # names skipped steps; too many stop the run
             log.write({"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), **means,
-                       "skipped_steps": skipped, **timer.read(step)})
+                       "skipped_steps": skipped, **timer.read(step),
+                       **experts_row(raw_model, aux_sum / cfg.accum_steps, run)})
             watch.update(loss.item(), means["chosen_logp"], step > warmup_steps)
             stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step % steps_per_epoch == 0 or step == max_steps:

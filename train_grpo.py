@@ -33,7 +33,8 @@ from errors import ConfigError, cli
 from grpo import (Rewarder, agent_rollout, completion_batch, completion_texts, group_advantages, policy_loss,
                   prompt_seed, rollout, token_logprobs)
 from losses import evaluate
-from metrics import MetricsLog, StepTimer, start_profiler
+from metrics import MetricsLog, StepTimer, experts_row, start_profiler
+from model import aux_loss
 from optim import get_lr, schedule_length, set_lr
 from reward_model import load_reward_model
 from rewards import answer_reward, load_rewards, reference
@@ -170,6 +171,7 @@ def main(argv: list[str]):
                         b.ref_logp = token_logprobs(ref, b.X, b.Y)
         for _ in range(cfg.ppo_epochs):
             sums = torch.zeros(3, device=run.device)  # the loss, kl and clipped tokens, summed over this rank's tokens
+            aux_sum = torch.zeros((), device=run.device)
             for micro_step, b in enumerate(batches):
                 with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                     with timer.phase("forward"), run.autocast():
@@ -178,9 +180,11 @@ def main(argv: list[str]):
                         loss_sum, m = policy_loss(logp, old_logp, b.ref_logp, b.advantages, b.mask, cfg.loss_type,
                                                   cfg.clip_eps, cfg.clip_high, cfg.beta)
                         loss = loss_sum * run.world_size / n_tokens  # x world_size: DDP averages the ranks' gradients
+                        aux = aux_loss(model)  # the experts' load balancing (0 for a dense model)
                     with timer.phase("backward"):
-                        scaler.scale(loss).backward()
+                        scaler.scale(loss + aux / len(batches)).backward()
                 sums += torch.stack([loss_sum.detach(), m["kl"], m["clipped"]])
+                aux_sum += aux.detach()
                 timer.count(b.X, raw_model.flops_per_token(b.X.size(1)))
             with timer.phase("optimizer"):
                 loss, kl, clip_frac = all_reduce_sum(sums, run) / n_tokens  # the same on every rank
@@ -204,7 +208,7 @@ def main(argv: list[str]):
                    **({"kl": kl.item()} if cfg.beta else {}), "clip_frac": clip_frac.item(),
                    "completion_len": stats["tokens"] / stats["completions"],
                    "frac_zero_adv": stats["zero_adv_groups"] / stats["groups"], "skipped_steps": skipped}
-            log.write(row | timer.read(step))
+            log.write(row | timer.read(step) | experts_row(raw_model, aux_sum / len(batches), run))
             stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step % steps_per_epoch == 0 or step == max_steps:
             with timer.paused():

@@ -15,7 +15,7 @@ from data import pretrain_loaders
 from errors import ConfigError, cli
 from losses import count_token_bytes, perplexity, validation_loss
 from metrics import MetricsLog, StepTimer, experts_row, start_profiler
-from model import ModelConfig, Transformer
+from model import ModelConfig, Transformer, aux_loss
 from optim import get_lr, schedule_length, set_lr
 from runtime import StopSignal, all_reduce_mean, print0, print_run, setup, teardown, wrap
 from tokenizer import load_tokenizer
@@ -51,7 +51,7 @@ def main(argv: list[str]):
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
                     _, loss = model(X, Y, loss_mask)
-                    aux = raw_model.aux_loss()  # the experts' load balancing (0 for a dense model)
+                    aux = aux_loss(model)  # the experts' load balancing (0 for a dense model)
                 with timer.phase("backward"):
                     scaler.scale((loss + aux) / cfg.accum_steps).backward()
             loss_sum += loss.detach()

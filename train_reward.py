@@ -16,7 +16,8 @@ from config import RewardConfig, load_config
 from data import dpo_loaders
 from errors import cli
 from losses import evaluate
-from metrics import MetricsLog, StepTimer, start_profiler
+from metrics import MetricsLog, StepTimer, experts_row, start_profiler
+from model import aux_loss
 from optim import get_lr, schedule_length, set_lr
 from reward_model import RewardModel, batch_scores, bradley_terry_loss
 from runtime import StopSignal, all_reduce_mean, print0, print_run, setup, teardown, wrap
@@ -71,15 +72,18 @@ def main(argv: list[str]):
         # the loss is a mean over pairs, and every micro-batch holds batch_size pairs: the mean of the
         # micro-batches' means is the mean over the whole step's pairs, on every rank alike
         sums = torch.zeros(1 + len(METRICS), device=run.device)  # the loss, then METRICS
+        aux_sum = torch.zeros((), device=run.device)
         for micro_step in range(cfg.accum_steps):
             with timer.phase("data"):
                 batch = loader.next_batch()
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
                     loss, metrics = pair_loss(model, batch)
+                    aux = aux_loss(model)  # the experts' load balancing (0 for a dense model)
                 with timer.phase("backward"):
-                    scaler.scale(loss / cfg.accum_steps).backward()
+                    scaler.scale((loss + aux) / cfg.accum_steps).backward()
             sums += torch.stack([loss.detach(), *(metrics[k].float() for k in METRICS)])
+            aux_sum += aux.detach()
             timer.count(batch[0], raw_model.flops_per_token(batch[0].size(1)))
         with timer.phase("optimizer"):
             loss, *metrics = all_reduce_mean(sums / cfg.accum_steps, run)  # all ranks must step, or skip, alike
@@ -99,7 +103,8 @@ def main(argv: list[str]):
             means = dict(zip(METRICS, torch.stack(metrics).tolist()))
             skipped = guard.report(step, loss.item(), grad_norm.item())  # names skipped steps; too many stop the run
             log.write({"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), **means,
-                       "skipped_steps": skipped, **timer.read(step)})
+                       "skipped_steps": skipped, **timer.read(step),
+                       **experts_row(raw_model, aux_sum / cfg.accum_steps, run)})
             stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step % steps_per_epoch == 0 or step == max_steps:
             with timer.paused():

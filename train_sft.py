@@ -14,6 +14,7 @@ from data import sft_loaders
 from errors import ConfigError, cli
 from losses import count_token_bytes, perplexity, validation_loss
 from metrics import MetricsLog, StepTimer, experts_row, start_profiler
+from model import aux_loss
 from optim import get_lr, schedule_length, set_lr
 from runtime import StopSignal, all_reduce_mean, all_reduce_sum, print0, print_run, setup, teardown, wrap
 from tokenizer import load_tokenizer
@@ -55,7 +56,7 @@ def main(argv: list[str]):
                 with timer.phase("forward"), run.autocast():
                     _, ce_sum = model(X, Y, loss_mask, reduction="sum")  # over this micro-batch's answer tokens
                     loss = ce_sum * run.world_size / n_tokens  # x world_size: DDP averages the ranks' gradients
-                    aux = raw_model.aux_loss()  # the experts' load balancing (0 for a dense model)
+                    aux = aux_loss(model)  # the experts' load balancing (0 for a dense model)
                 with timer.phase("backward"):
                     scaler.scale(loss + aux / cfg.accum_steps).backward()
             loss_sum += loss.detach()

@@ -9,10 +9,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import train_distill
+import train_dpo
+import train_grpo
 import train_pretrain
-from checkpoint import load_checkpoint
-from conftest import REPO, TINY_MODEL, TINY_RUN, final_weights, pretrain, read_metrics, train_losses
-from model import ModelConfig, MoEFeedForward, Transformer, rope_tables
+import train_reward
+import train_sft
+from checkpoint import load_checkpoint, lora_model, model_from_checkpoint
+from conftest import (REPO, TINY_CONTEXT, TINY_MODEL, TINY_RUN, assert_resumes_exactly, final_weights, lora_sft,
+                      pretrain, read_metrics, tiny, train_losses)
+from engine import Engine, KVCache, Row
+from test_engine import alone, ids, sharpen
+from lora import adapter_state, lora_layers
+from model import ModelConfig, MoEFeedForward, Transformer, aux_loss, rope_tables
 from token_cache import tokenize_file
 from tokenizer import load_tokenizer
 
@@ -93,10 +102,10 @@ def test_a_model_sums_its_layers_aux_losses_and_a_dense_one_has_none():
     config = dict(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16)
     model = Transformer(ModelConfig(**config, n_experts=4, experts_per_token=2))
     model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))
-    assert model.aux_loss() == sum(block.feed_forward.aux_loss for block in model.layers) > 0
+    assert aux_loss(model) == sum(block.feed_forward.aux_loss for block in model.layers) > 0
     dense = Transformer(ModelConfig(**config))
     dense(torch.randint(0, 64, (2, 16)))
-    assert dense.aux_loss() == 0
+    assert aux_loss(dense) == 0
 
 
 def test_minimind_3_moe_shape_has_its_total_and_active_parameter_counts():
@@ -144,7 +153,7 @@ def test_grad_checkpointing_gives_an_moe_model_the_same_gradients_aux_loss_inclu
                                         grad_checkpoint=checkpointing))
         idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
         _, loss = model(idx, idx)
-        (loss + model.aux_loss()).backward()
+        (loss + aux_loss(model)).backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
@@ -192,3 +201,74 @@ def test_ddp_with_experts_matches_one_process_without_unused_parameter_search(de
     assert ckpt["rank_weight_diff"] == 0.0  # every expert, used on a rank or not, was all-reduced alike
     single = final_weights(tmp_path / "single", 5)
     assert max((single[k] - ckpt["model"][k]).abs().max().item() for k in single) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(demo_dir, tmp_path_factory):
+    """The tiny model with 4 experts, one per token, pretrained for 40 steps on the demo text."""
+    out = tmp_path_factory.mktemp("moe")
+    pretrain(demo_dir, out, *EXPERTS, "--batch_size=16", "--lr=1e-2", "--warmup_steps=5", "--max_steps=40",
+             "--eval_interval=40", f"--max_seq_len={TINY_CONTEXT}")
+    return out / "best.pt"
+
+
+def test_every_stage_adds_the_aux_loss_and_logs_it(tiny_moe, demo_dir, tmp_path):
+    short = [*TINY_RUN, "--batch_size=4", "--max_steps=2", "--warmup_steps=0", "--eval_interval=2"]
+    pairs = ["--max_prompt_length=32", "--max_completion_length=32"]
+    stages = {
+        train_sft: [f"--data_path={demo_dir}/sft.jsonl", "--max_seq_len=64"],
+        train_dpo: [f"--data_path={demo_dir}/dpo.jsonl", *pairs],
+        train_reward: [f"--data_path={demo_dir}/dpo.jsonl", *pairs],
+        train_distill: [f"--data_path={demo_dir}/sft.jsonl", "--data_kind=sft", f"--teacher={tiny_moe}"],
+        train_grpo: [f"--data_path={demo_dir}/grpo.jsonl", "--group_size=2", "--max_new_tokens=4"],
+    }
+    for script, flags in stages.items():
+        out = tmp_path / script.__name__
+        script.main([f"--init_from={tiny_moe}", f"--out_dir={out}", *short, *flags])
+        rows = [r for r in read_metrics(out) if "loss" in r]
+        assert len(rows) == 2 and all(r["aux_loss"] >= 5e-4 * 0.99 for r in rows), (script.__name__, rows)
+
+
+def test_an_moe_run_resumes_exactly(demo_dir, tmp_path):
+    def run(out_dir, *flags):
+        pretrain(demo_dir, out_dir, *EXPERTS, "--max_steps=6", "--save_interval=3", "--dropout=0.1", *flags)
+
+    assert_resumes_exactly(run, tmp_path / "full", tmp_path / "resumed", saved=3, last=6)
+
+
+def test_lora_adapts_every_expert_and_leaves_the_router_frozen(tiny_moe, demo_dir, tmp_path):
+    lora_sft(tiny_moe, demo_dir, tmp_path, "--max_steps=4", "--eval_interval=4")
+    ckpt = load_checkpoint(str(tmp_path / "best.pt"))
+    model = lora_model(ckpt, str(tmp_path / "best.pt"))
+    adapted = {name.rsplit(".", 1)[0] for name in adapter_state(model)}
+    experts = {f"layers.{i}.feed_forward.experts.{e}.{w}" for i in range(2) for e in range(4) for w in ("w1", "w2", "w3")}
+    assert experts <= adapted and not any(".gate" in name for name in adapted)  # the router is not adapted
+    assert len(lora_layers(model)) == 2 * (4 + 4 * 3)
+    merged, _ = model_from_checkpoint(str(tmp_path / "best.pt"))
+    base, _ = model_from_checkpoint(str(tiny_moe))
+    X = torch.randint(0, 6400, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(merged.eval()(X, X)[0], model.eval()(X, X)[0], rtol=0, atol=1e-5)
+    for i in range(2):  # frozen: the merged router is the base's
+        assert torch.equal(merged.layers[i].feed_forward.gate.weight, base.layers[i].feed_forward.gate.weight)
+
+
+def test_an_moe_model_with_yarn_decodes_with_the_kv_cache_as_in_a_full_forward_and_batched_as_alone():
+    # positions past rope_original_max_len (8): the scaled tables are the ones the cache's rows are rotated by
+    model = sharpen(tiny(n_experts=4, experts_per_token=2, rope_scaling="yarn", rope_factor=4.0,
+                         rope_original_max_len=8)).eval()
+    idx = ids(model, B=2, T=24)
+    full = model.output(model.hidden_states(idx))
+    caches = [KVCache(2, 24) for _ in model.layers]
+    steps = [model(idx[:, :5], caches=caches)[0]]
+    for t in range(5, 24):
+        steps.append(model(idx[:, t : t + 1], caches=caches, start_pos=t)[0])
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 4:], rtol=0, atol=1e-5)
+    # rows of a batch are routed token by token: each gets what it gets alone
+    prompts = [ids(model, B=1, T=n, seed=n)[0].tolist() for n in (3, 9, 5)]
+    engine, rows = Engine(model, max_batch=3), [Row(p, 12) for p in prompts]
+    for row in rows:
+        engine.add([row])  # prefilled alone, then decoded together
+    while engine.rows:
+        engine.step()
+    for row, prompt in zip(rows, prompts):
+        assert row.tokens == alone(model, prompt, 12)
