@@ -3,20 +3,25 @@ Move weights between nanomind and the Hugging Face world.
 
     python convert.py import full_sft_768.pth out/minimind.pt --tokenizer=minimind/model   # minimind-3's state dict
     python convert.py import full_sft_512.pth out/minimind2.pt --tokenizer=minimind/model --n_heads=8   # MiniMind2's
+    python convert.py import full_sft_768_moe.pth out/moe.pt --tokenizer=minimind/model     # minimind-3-moe's
     python convert.py import MiniMind2-Small/ out/minimind2.pt                              # a transformers folder
     python convert.py export out/sft/best.pt hf/ [--dtype=bfloat16] [--force]
     python convert.py export out/sft/best.pt model.gguf [--dtype=float16]                  # llama.cpp, Ollama
     python convert.py merge out/sft_lora/best.pt out/sft_merged.pt                        # LoRA folded into its base
 
-import reads a MiniMind *.pth state dict (MiniMind2; minimind-3 adds q_norm / k_norm) or a transformers folder
-(config.json + model.safetensors or pytorch_model.bin) of LlamaForCausalLM, Qwen3ForCausalLM or MiniMind's own
-MiniMindForCausalLM, and writes a nanomind checkpoint that train_sft.py --init_from and sample.py --ckpt take.
-The architecture comes from config.json and the tensor shapes; --key=value sets any ModelConfig key they cannot
-tell (n_heads of a model without qk_norm). --tokenizer DIR records the tokenizer the weights go with (a folder
-holding a tokenizer.json records itself); weights alone carry none, and import never guesses one.
+import reads a MiniMind *.pth state dict (MiniMind2; minimind-3 adds q_norm / k_norm; its MoE a router and
+experts) or a transformers folder (config.json + model.safetensors or pytorch_model.bin) of LlamaForCausalLM,
+Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM or MiniMind's own MiniMindForCausalLM, and writes a
+nanomind checkpoint that train_sft.py --init_from and sample.py --ckpt take. The architecture comes from
+config.json and the tensor shapes; --key=value sets any ModelConfig key they cannot tell (n_heads of a model
+without qk_norm; experts_per_token of a MoE *.pth, MiniMind's 1 by default). Experts are read one tensor each or
+fused (transformers 5's 3-D gate_up_proj / down_proj); YaRN comes from rope_parameters or rope_scaling. --tokenizer
+DIR records the tokenizer the weights go with (a folder holding a tokenizer.json records itself); weights alone
+carry none, and import never guesses one.
 
 export writes a folder that transformers' AutoModelForCausalLM and AutoTokenizer load without remote code:
-config.json (LlamaForCausalLM, or Qwen3ForCausalLM with qk_norm), model.safetensors, generation_config.json,
+config.json (LlamaForCausalLM, or Qwen3ForCausalLM with qk_norm; with experts Qwen3MoeForCausalLM, or
+MixtralForCausalLM without qk_norm; YaRN in rope_parameters), model.safetensors, generation_config.json,
 tokenizer.json and tokenizer_config.json (with a chat template rendering what chat.encode_chat does). Plain text
 gets the bos nanomind's pretraining puts before every document. An OUT ending in .gguf is one GGUF file for
 llama.cpp instead (gguf_export.py).
@@ -31,6 +36,7 @@ Safetensors is read and written here, no library: an 8-byte little-endian header
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -94,7 +100,8 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path):
 
 
 # -----------------------------------------------------------------------------
-# parameter names: Hugging Face's LLaMA / Qwen3 (and MiniMind's, the same) <-> nanomind's; {} is a layer index
+# parameter names: Hugging Face's LLaMA / Qwen3 / Qwen3-MoE (and MiniMind's, the same) <-> nanomind's; each {} is
+# an index, of a layer, then of an expert
 
 HF_TO_NANOMIND = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
@@ -109,6 +116,10 @@ HF_TO_NANOMIND = {
     "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
     "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
     "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
+    "model.layers.{}.mlp.gate.weight": "layers.{}.feed_forward.gate.weight",  # the router
+    "model.layers.{}.mlp.experts.{}.gate_proj.weight": "layers.{}.feed_forward.experts.{}.w1.weight",
+    "model.layers.{}.mlp.experts.{}.up_proj.weight": "layers.{}.feed_forward.experts.{}.w3.weight",
+    "model.layers.{}.mlp.experts.{}.down_proj.weight": "layers.{}.feed_forward.experts.{}.w2.weight",
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "output.weight",
 }
@@ -117,10 +128,37 @@ NANOMIND_TO_HF = {v: k for k, v in HF_TO_NANOMIND.items()}
 
 def rename(name: str, table: dict[str, str]) -> str | None:
     """The name in the other convention, or None when the table has no place for it."""
-    layer = re.search(r"\.(\d+)\.", name)
-    pattern = name.replace(layer.group(0), ".{}.", 1) if layer else name
-    target = table.get(pattern)
-    return target.format(layer.group(1)) if target and layer else target
+    target = table.get(re.sub(r"\.\d+\.", ".{}.", name))
+    return target.format(*re.findall(r"\.(\d+)\.", name)) if target else None
+
+
+# Mixtral's names for the experts on disk: block_sparse_moe, w1 gate, w3 up, w2 down
+MIXTRAL_NAMES = {".mlp.": ".block_sparse_moe.", ".gate_proj.": ".w1.", ".up_proj.": ".w3.", ".down_proj.": ".w2."}
+
+
+def mixtral_name(name: str) -> str:
+    """A Qwen3-MoE name (HF_TO_NANOMIND's) as Mixtral's checkpoints spell it."""
+    for qwen, mixtral in MIXTRAL_NAMES.items():
+        name = name.replace(qwen, mixtral)
+    return name
+
+
+def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The experts in HF_TO_NANOMIND's names, one tensor per expert: Mixtral's names, and the 3-D tensors
+    transformers 5 holds them in (what save_pretrained(save_original_format=False) writes), are split up."""
+    out = {}
+    for name, t in state.items():
+        if ".block_sparse_moe." in name:
+            for qwen, mixtral in MIXTRAL_NAMES.items():
+                name = name.replace(mixtral, qwen)
+        fused = re.fullmatch(r"(.*\.experts)\.(gate_up_proj|down_proj)", name)
+        if not fused or t.dim() != 3:
+            out[name] = t
+            continue
+        for e, w in enumerate(t):  # gate_up_proj (E, 2 I, dim): gate's rows, then up's; down_proj (E, dim, I)
+            parts = zip(("gate_proj", "up_proj"), w.chunk(2)) if fused[2] == "gate_up_proj" else [("down_proj", w)]
+            out |= {f"{fused[1]}.{e}.{part}.weight": p for part, p in parts}
+    return out
 
 
 # -----------------------------------------------------------------------------
@@ -161,35 +199,85 @@ def torch_load(path: Path) -> dict:
 
 
 # MiniMind's own config.json (model_type "minimind") has LLaMA's keys; what nanomind cannot run is refused
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "MiniMindForCausalLM": "minimind"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "MiniMindForCausalLM": "minimind",
+                 "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+# the routing keys' values where config.json leaves them out: transformers' defaults (MiniMind's config class's for
+# minimind); Mixtral always renormalises the top-k weights and has no key for it
+MOE_DEFAULTS = {"qwen3_moe": {"experts_per_token": 8, "norm_topk_prob": False, "router_aux_loss_coef": 1e-3},
+                "mixtral": {"experts_per_token": 2, "norm_topk_prob": True, "router_aux_loss_coef": 1e-3},
+                "minimind": {"experts_per_token": 1, "norm_topk_prob": True, "router_aux_loss_coef": 5e-4}}
 
 
 def config_from_hf(config: dict, path: Path) -> dict:
     """ModelConfig keys from a config.json; everything nanomind's model does not compute is refused in one error."""
     arch = (config.get("architectures") or [None])[0]
-    if arch not in ARCHITECTURES and config.get("model_type") not in ARCHITECTURES.values():
+    kind = ARCHITECTURES.get(arch, config.get("model_type"))
+    if kind not in ARCHITECTURES.values():
         raise ConfigError(f"{path}: architecture {arch} (model_type {config.get('model_type')}) is not supported: "
                           f"only {', '.join(ARCHITECTURES)}")
-    rope = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    moe = kind in ("qwen3_moe", "mixtral") or (kind == "minimind" and config.get("use_moe", False))
     unsupported = [f"{key}={config[key]!r}" for key, fine in [
-        ("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("use_moe", False),
-        ("use_sliding_window", False)] if config.get(key, fine) != fine]
-    if scaling:
-        unsupported.append(f"rope scaling {scaling}")
+        ("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("use_sliding_window", False)]
+        if config.get(key, fine) != fine]
+    if kind == "mixtral" and config.get("sliding_window") is not None:  # Qwen3's applies only with use_sliding_window
+        unsupported.append(f"sliding_window={config['sliding_window']!r}")
+    # Qwen3-MoE's dense layers among the MoE ones: nanomind's layers are all MoE or all dense
+    unsupported += [f"{key}={config[key]!r} (dense layers among the MoE ones)" for key, fine in [
+        ("decoder_sparse_step", 1), ("mlp_only_layers", [])] if config.get(key) not in (fine, None)]
+    found, rope_errors = rope_from_hf(config)
+    unsupported += rope_errors
     if unsupported:
         raise ConfigError(f"{path}: nanomind's model has no {', '.join(unsupported)}")
     keys = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
             "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "ffn_dim": "intermediate_size",
             "norm_eps": "rms_norm_eps", "head_dim": "head_dim", "max_seq_len": "max_position_embeddings",
             "tie_embeddings": "tie_word_embeddings"}
-    found = {ours: config[theirs] for ours, theirs in keys.items() if config.get(theirs) is not None}
+    if moe:
+        keys |= {"n_experts": "num_local_experts" if "num_local_experts" in config else "num_experts",
+                 "experts_per_token": "num_experts_per_tok", "moe_ffn_dim": "moe_intermediate_size",
+                 "norm_topk_prob": "norm_topk_prob", "router_aux_loss_coef": "router_aux_loss_coef"}
+    found |= (MOE_DEFAULTS[kind] if moe else {"n_experts": 0})  # config.json, not the tensors, says dense
+    found |= {ours: config[theirs] for ours, theirs in keys.items() if config.get(theirs) is not None}
     if "n_heads" in found and "n_kv_heads" not in found:
         found["n_kv_heads"] = found["n_heads"]  # LLaMA's rule: no num_key_value_heads means one per query head
+    return found
+
+
+def rope_from_hf(config: dict) -> tuple[dict, list[str]]:
+    """(rope_theta and YaRN's ModelConfig keys, what nanomind cannot compute) from config.json, read as transformers
+    5 reads it: rope_scaling (transformers 4, MiniMind: "type" or "rope_type") over rope_parameters."""
+    rope = config.get("rope_parameters") or {}
+    params = config.get("rope_scaling") or rope
+    found, unsupported = {}, []
     theta = config.get("rope_theta", rope.get("rope_theta"))
     if theta is not None:
         found["rope_theta"] = float(theta)
-    return found
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:  # nanomind rotates every dimension of a head
+        unsupported.append(f"partial_rotary_factor={partial!r}")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return found, unsupported
+    if kind != "yarn" or params.get("truncate", True) is not True:
+        return found, unsupported + [f"rope scaling {params}"]
+    # transformers: a top-level original_max_position_embeddings first, then the dict's, then the context itself;
+    # no factor: the context over the original
+    context = config.get("max_position_embeddings")
+    original = config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") \
+        or context
+    factor = params.get("factor") or (context / original if context and original else None)
+    if not factor:
+        return found, unsupported + [f"rope scaling {params} without a factor or a context length"]
+    attention = params.get("attention_factor")
+    if attention is None and params.get("mscale") and params.get("mscale_all_dim") and factor > 1:
+        # DeepSeek's form of the attention factor, worked out as transformers does
+        scale = lambda m: 0.1 * m * math.log(factor) + 1.0  # noqa: E731
+        attention = scale(params["mscale"]) / scale(params["mscale_all_dim"])
+    found |= {"rope_scaling": "yarn", "rope_factor": float(factor), "rope_original_max_len": int(original),
+              "rope_beta_fast": float(params.get("beta_fast") or 32),  # transformers' `or`: 0 means the default
+              "rope_beta_slow": float(params.get("beta_slow") or 1),
+              "rope_attention_factor": None if attention is None else float(attention)}
+    return found, unsupported
 
 
 def infer_config(state: dict[str, torch.Tensor], hf_config: dict, flags: dict, src: Path) -> ModelConfig:
@@ -206,6 +294,12 @@ def infer_config(state: dict[str, torch.Tensor], hf_config: dict, flags: dict, s
         shapes["head_dim"] = state["model.layers.0.self_attn.q_norm.weight"].shape[0]
     # MiniMind's *.pth carries no config: its defaults, minimind-3's (qk_norm) or MiniMind2's
     defaults = {"norm_eps": 1e-6 if qk_norm else 1e-5, "rope_theta": 1e6, "max_seq_len": 32768}
+    if "model.layers.0.mlp.gate.weight" in state:  # a router: a mixture of experts, routed as MiniMind routes
+        shapes["n_experts"] = state["model.layers.0.mlp.gate.weight"].shape[0]
+        expert = state.get("model.layers.0.mlp.experts.0.gate_proj.weight")
+        if expert is not None:  # without it the strict load names what is missing
+            shapes["moe_ffn_dim"] = defaults["ffn_dim"] = expert.shape[0]  # MiniMind: moe width = intermediate_size
+        defaults |= MOE_DEFAULTS["minimind"]
     if "lm_head.weight" in state:
         defaults["tie_embeddings"] = torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
     else:
@@ -226,9 +320,10 @@ def infer_config(state: dict[str, torch.Tensor], hf_config: dict, flags: dict, s
         raise ConfigError(f"{src}: {e}") from None
 
 
-def to_nanomind(state: dict[str, torch.Tensor], cfg: ModelConfig, src: Path) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> nanomind's, float32; every key without a place is listed in one error."""
-    unplaced = sorted(k for k in state if rename(k, HF_TO_NANOMIND) is None)
+def to_nanomind(state: dict[str, torch.Tensor], model: Transformer, src: Path) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> nanomind's, float32; every key without a place in model is listed in one error."""
+    cfg, own = model.config, model.state_dict()
+    unplaced = sorted(k for k in state if rename(k, HF_TO_NANOMIND) not in own)  # experts in a dense model too
     if unplaced:
         raise CheckpointError(f"{src}: {len(unplaced)} weights have no place in nanomind's model: {unplaced}")
     ours = {rename(k, HF_TO_NANOMIND): v.float() for k, v in state.items()}
@@ -265,9 +360,10 @@ def import_weights(src: Path, out: Path, tokenizer_dir: str | None, stage: str, 
                           f"trained with (MiniMind's model/ folder, or the copy in {DEFAULT_DIR}; nanomind's own: "
                           f"--tokenizer={NANOMIND_DIR})")
     state, hf_config = read_source(src)
+    state = per_expert(state)
     cfg = infer_config(state, config_from_hf(hf_config, src / "config.json") if hf_config else {}, flags, src)
     model = Transformer(cfg)
-    load_model_state(model, to_nanomind(state, cfg, src), str(src))  # strict: every key, every shape
+    load_model_state(model, to_nanomind(state, model, src), str(src))  # strict: every key, every shape
     tokenizer = load_tokenizer(tokenizer_dir)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ConfigError(f"the tokenizer ({tokenizer_dir}) has {tokenizer.vocab_size} ids, the "
@@ -286,25 +382,56 @@ def import_weights(src: Path, out: Path, tokenizer_dir: str | None, stage: str, 
 # -----------------------------------------------------------------------------
 # export
 
-def hf_model_config(cfg: ModelConfig, tokenizer, dtype: str) -> dict:
-    arch = "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
+def hf_architecture(cfg: ModelConfig, ckpt: str) -> str:
+    """The transformers class that computes what nanomind's model computes with cfg."""
+    if not cfg.n_experts:
+        return "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
+    if cfg.qk_norm:
+        return "Qwen3MoeForCausalLM"
+    if cfg.norm_topk_prob:  # Mixtral: LLaMA's attention (no q/k norms), its top-k weights always renormalised
+        return "MixtralForCausalLM"
+    raise ConfigError(f"{ckpt}: no transformers class computes n_experts={cfg.n_experts} with qk_norm=False and "
+                      "norm_topk_prob=False (Qwen3-MoE has q/k norms, Mixtral renormalises the top-k weights)")
+
+
+def hf_yarn(cfg: ModelConfig) -> dict | None:
+    """YaRN's keys as transformers reads them, or None for plain RoPE."""
+    if cfg.rope_scaling != "yarn":
+        return None
+    yarn = {"rope_type": "yarn", "factor": cfg.rope_factor, "original_max_position_embeddings":
+            cfg.rope_original_max_len, "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow}
+    if cfg.rope_attention_factor is not None:  # left out, transformers' 0.1 ln(factor) + 1 is nanomind's too
+        yarn["attention_factor"] = float(cfg.rope_attention_factor)
+    return yarn
+
+
+def hf_model_config(cfg: ModelConfig, arch: str, tokenizer, dtype: str) -> dict:
+    kind, yarn = ARCHITECTURES[arch], hf_yarn(cfg)
     config = {
-        "architectures": [arch], "model_type": "qwen3" if cfg.qk_norm else "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+        "architectures": [arch], "model_type": kind, "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
+        "intermediate_size": cfg.moe_ffn_dim if kind == "mixtral" else cfg.ffn_dim,  # Mixtral's is the experts'
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps, "attention_bias": False, "attention_dropout": 0.0,
-        # rope_theta at the top for transformers 4, vLLM and llama.cpp; rope_parameters for transformers 5
-        "rope_theta": cfg.rope_theta, "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        # rope_theta and rope_scaling (no theta) at the top for transformers 4, vLLM and llama.cpp; rope_parameters
+        # for transformers 5
+        "rope_theta": cfg.rope_theta, "rope_scaling": yarn,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta} | (yarn or {}),
         "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id,
         "torch_dtype": dtype, "dtype": dtype, "use_cache": True,
     }
     if cfg.qk_norm:
         config |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers}
-    else:
+    elif kind == "llama":
         config |= {"mlp_bias": False}
+    routing = {"num_experts_per_tok": cfg.experts_per_token, "router_aux_loss_coef": cfg.router_aux_loss_coef,
+               "output_router_logits": False}
+    if kind == "qwen3_moe":  # every layer a mixture of experts: no dense ones between
+        config |= routing | {"num_experts": cfg.n_experts, "moe_intermediate_size": cfg.moe_ffn_dim,
+                             "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    elif kind == "mixtral":
+        config |= routing | {"num_local_experts": cfg.n_experts, "router_jitter_noise": 0.0, "sliding_window": None}
     return config
 
 
@@ -428,12 +555,14 @@ def export(ckpt: str, out_dir: Path, dtype: str, force: bool):
                     f"tokenizer {tokenizer_dir}")
         print(f"{ckpt} -> {out_dir}: GGUF, {architecture(cfg)}, {dtype}, tokenizer from {tokenizer_dir}")
         return
+    arch = hf_architecture(cfg, ckpt)
     weights = {}
     for name, t in model.state_dict().items():
         if name == "output.weight" and cfg.tie_embeddings:
             continue  # tied: transformers makes lm_head from the embedding
-        weights[rename(name, NANOMIND_TO_HF)] = t.to(getattr(torch, dtype))
-    config = hf_model_config(cfg, tokenizer, dtype)
+        hf_name = rename(name, NANOMIND_TO_HF)
+        weights[mixtral_name(hf_name) if arch == "MixtralForCausalLM" else hf_name] = t.to(getattr(torch, dtype))
+    config = hf_model_config(cfg, arch, tokenizer, dtype)
     generation = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
     # everything goes to a fresh folder beside out_dir, which then replaces it: an error leaves out_dir as it was
     tmp = out_dir.with_name(out_dir.name + ".tmp")
