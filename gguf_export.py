@@ -9,15 +9,18 @@ first, as ggml counts them: a torch (out, in) weight is [in, out]), its type and
 general.alignment; then the tensors' bytes, each aligned. A string is its u64 byte length, then UTF-8 bytes; an
 array is its element type (u32), its length (u64), then the elements.
 
-The model is llama.cpp's `llama` architecture, or `qwen3` with qk_norm. llama.cpp's `llama` rotates adjacent
-pairs (Meta's layout), nanomind the two halves of each head (transformers' layout): the q and k rows of every head
-are permuted to match, as llama.cpp's convert_hf_to_gguf.py does. `qwen3` rotates halves, as nanomind does.
+The model is llama.cpp's `llama` architecture, or `qwen3` with qk_norm; a mixture of experts is `llama` with
+experts (as Mixtral) or `qwen3moe` with qk_norm. llama.cpp's `llama` rotates adjacent pairs (Meta's layout),
+nanomind the two halves of each head (transformers' layout): the q and k rows of every head are permuted to match,
+as llama.cpp's convert_hf_to_gguf.py does. `qwen3` and `qwen3moe` rotate halves, as nanomind does. A model llama.cpp
+would compute differently (a choice its graph hard-codes) is refused with the key that differs, rather than written.
 
 The tokenizer goes in as llama.cpp's byte-level BPE (`gpt2`): tokens spelled in GPT-2's byte alphabet, their
 types, the merges, and the name of the split rule llama.cpp applies before BPE. llama.cpp implements a fixed list
 of rules; a tokenizer split by another (nanomind's own) is refused rather than written to tokenize differently.
 """
 import json
+import math
 import re
 import struct
 from pathlib import Path
@@ -32,7 +35,7 @@ GGUF_VERSION = 3
 ALIGNMENT = 32  # llama.cpp's default: the tensor data and every tensor in it start at a multiple of it
 # value types
 U32, I32, F32, BOOL, STRING, ARRAY = 4, 5, 6, 7, 8, 9
-# ggml tensor types, and llama.cpp's file type naming the weights' precision (1-D tensors stay float32)
+# ggml tensor types, and llama.cpp's file type naming the weights' precision (1-D tensors and routers stay float32)
 GGML_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 FILE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 32}
 # llama.cpp's token types
@@ -52,9 +55,17 @@ NANOMIND_TO_GGUF = {
     "layers.{}.feed_forward.w1.weight": "blk.{}.ffn_gate.weight",
     "layers.{}.feed_forward.w3.weight": "blk.{}.ffn_up.weight",
     "layers.{}.feed_forward.w2.weight": "blk.{}.ffn_down.weight",
+    "layers.{}.feed_forward.gate.weight": "blk.{}.ffn_gate_inp.weight",  # the router, (n_experts, dim)
+    # a layer's experts, stacked by stack_experts: (n_experts, out, in)
+    "layers.{}.feed_forward.experts.w1.weight": "blk.{}.ffn_gate_exps.weight",
+    "layers.{}.feed_forward.experts.w3.weight": "blk.{}.ffn_up_exps.weight",
+    "layers.{}.feed_forward.experts.w2.weight": "blk.{}.ffn_down_exps.weight",
     "norm.weight": "output_norm.weight",
     "output.weight": "output.weight",
 }
+EXPERT = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(\d+)\.(w[123])\.weight")
+# llama.cpp's YaRN ramp bounds: no GGUF key sets them for llama, qwen3 or qwen3moe (only grok and mistral3 read one)
+LLAMA_CPP_YARN_BETAS = (32.0, 1.0)
 
 
 # -----------------------------------------------------------------------------
@@ -99,7 +110,19 @@ def write_gguf(path: Path, metadata: dict[str, tuple[int, object]], tensors: dic
 # the model
 
 def architecture(cfg: ModelConfig) -> str:
-    return "qwen3" if cfg.qk_norm else "llama"
+    return ("qwen3moe" if cfg.n_experts else "qwen3") if cfg.qk_norm else "llama"  # llama takes experts too
+
+
+def refuse_what_llama_cpp_computes_differently(cfg: ModelConfig):
+    """What llama.cpp computes whatever the file says (src/models/llama.cpp and qwen3moe.cpp; llama-hparams.h for
+    the betas)."""
+    if cfg.n_experts and not cfg.norm_topk_prob and cfg.experts_per_token < cfg.n_experts:
+        raise ConfigError(f"norm_topk_prob: llama.cpp's {architecture(cfg)} always renormalises the chosen experts' "
+                          "weights to sum to 1; this model has norm_topk_prob False")
+    if cfg.rope_scaling == "yarn" and (cfg.rope_beta_fast, cfg.rope_beta_slow) != LLAMA_CPP_YARN_BETAS:
+        raise ConfigError(f"rope_beta_fast, rope_beta_slow: llama.cpp's {architecture(cfg)} ramps YaRN between "
+                          f"{LLAMA_CPP_YARN_BETAS[0]:g} and {LLAMA_CPP_YARN_BETAS[1]:g} whatever a GGUF says; this "
+                          f"model has {cfg.rope_beta_fast:g} and {cfg.rope_beta_slow:g}")
 
 
 def halves_to_pairs(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -113,14 +136,31 @@ def gguf_name(name: str) -> str:
     return NANOMIND_TO_GGUF[f"layers.{{}}.{layer[2]}"].format(layer[1]) if layer else NANOMIND_TO_GGUF[name]
 
 
+def stack_experts(state: dict[str, torch.Tensor], n_experts: int) -> dict[str, torch.Tensor]:
+    """Each layer's experts as llama.cpp holds them: one (n_experts, out, in) tensor per projection (w1, w3, w2),
+    named layers.{i}.feed_forward.experts.{w}.weight, in place of the experts' own."""
+    stacked = {}
+    for name, t in state.items():
+        expert = EXPERT.fullmatch(name)
+        if not expert:
+            stacked[name] = t
+        elif expert[2] == "0":
+            layer, w = expert[1], expert[3]
+            stacked[f"layers.{layer}.feed_forward.experts.{w}.weight"] = torch.stack(
+                [state[f"layers.{layer}.feed_forward.experts.{e}.{w}.weight"] for e in range(n_experts)])
+    return stacked
+
+
 def gguf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     tensors = {}
-    for name, t in state.items():
+    for name, t in stack_experts(state, cfg.n_experts).items():
         if name == "output.weight" and cfg.tie_embeddings:
             continue  # llama.cpp uses token_embd when output is absent
         if architecture(cfg) == "llama" and name.endswith((".wq.weight", ".wk.weight")):
             t = halves_to_pairs(t, cfg.n_heads if name.endswith(".wq.weight") else cfg.n_kv_heads)
-        tensors[gguf_name(name)] = t.to(dtype if t.dim() > 1 else torch.float32)
+        # a rounded router could send a token to other experts; llama.cpp's converter keeps it float32 too
+        full = t.dim() == 1 or name.endswith(".feed_forward.gate.weight")
+        tensors[gguf_name(name)] = t.to(torch.float32 if full else dtype)
     return tensors
 
 
@@ -131,12 +171,30 @@ def model_metadata(cfg: ModelConfig, dtype: torch.dtype, name: str) -> dict:
         "general.file_type": (U32, FILE_TYPES[dtype]), "general.alignment": (U32, ALIGNMENT),
         f"{arch}.vocab_size": (U32, cfg.vocab_size), f"{arch}.context_length": (U32, cfg.max_seq_len),
         f"{arch}.embedding_length": (U32, cfg.dim), f"{arch}.block_count": (U32, cfg.n_layers),
-        f"{arch}.feed_forward_length": (U32, cfg.ffn_dim), f"{arch}.attention.head_count": (U32, cfg.n_heads),
+        # every feed-forward of a mixture is an expert: llama sizes its experts by this, qwen3moe by its own key
+        f"{arch}.feed_forward_length": (U32, cfg.moe_ffn_dim if cfg.n_experts else cfg.ffn_dim),
+        f"{arch}.attention.head_count": (U32, cfg.n_heads),
         f"{arch}.attention.head_count_kv": (U32, cfg.n_kv_heads),
         f"{arch}.attention.key_length": (U32, cfg.head_dim), f"{arch}.attention.value_length": (U32, cfg.head_dim),
         f"{arch}.attention.layer_norm_rms_epsilon": (F32, cfg.norm_eps),
         f"{arch}.rope.dimension_count": (U32, cfg.head_dim), f"{arch}.rope.freq_base": (F32, cfg.rope_theta),
-    }
+    } | (moe_metadata(cfg, arch) if cfg.n_experts else {}) | (yarn_metadata(cfg, arch) if cfg.rope_scaling else {})
+
+
+def moe_metadata(cfg: ModelConfig, arch: str) -> dict:
+    return {f"{arch}.expert_count": (U32, cfg.n_experts), f"{arch}.expert_used_count": (U32, cfg.experts_per_token),
+            f"{arch}.expert_feed_forward_length": (U32, cfg.moe_ffn_dim)}
+
+
+def yarn_metadata(cfg: ModelConfig, arch: str) -> dict:
+    """llama.cpp's YaRN ramps the frequencies as nanomind's does, and multiplies cos and sin by attn_factor x
+    (0.1 ln(factor) + 1, or 1 for factor <= 1): nanomind's default scale is that product with attn_factor 1, another
+    rope_attention_factor goes in divided by it. (llama.cpp reads no yarn_attn_factor key for these architectures.)"""
+    mscale = 0.1 * math.log(cfg.rope_factor) + 1.0 if cfg.rope_factor > 1 else 1.0
+    attn_factor = 1.0 if cfg.rope_attention_factor is None else cfg.rope_attention_factor / mscale
+    return {f"{arch}.rope.scaling.type": (STRING, "yarn"), f"{arch}.rope.scaling.factor": (F32, cfg.rope_factor),
+            f"{arch}.rope.scaling.original_context_length": (U32, cfg.rope_original_max_len),
+            f"{arch}.rope.scaling.attn_factor": (F32, attn_factor)}
 
 
 # -----------------------------------------------------------------------------
@@ -185,6 +243,7 @@ def export_gguf(state: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer, fil
                 out: Path, name: str, where: str):
     """files: tokenizer.json and tokenizer_config.json as the Hugging Face export writes them."""
     dtype = getattr(torch, dtype)
+    refuse_what_llama_cpp_computes_differently(cfg)
     metadata = model_metadata(cfg, dtype, name) | tokenizer_metadata(
         files["tokenizer.json"], files["tokenizer_config.json"], tokenizer, cfg.vocab_size, where)
     tmp = out.with_name(out.name + ".tmp")  # written beside OUT, then renamed: an error leaves OUT as it was
