@@ -2,7 +2,7 @@
 The nanomind model: MiniMind's LLaMA-style decoder, the network alone (engine.py generates with it).
 
 token embedding -> n_layers x [RMSNorm -> grouped-query attention with RoPE -> +residual,
-                               RMSNorm -> SwiGLU feed-forward -> +residual]
+                               RMSNorm -> SwiGLU feed-forward (or a mixture of SwiGLU experts) -> +residual]
                 -> RMSNorm -> LM head (tied to the embedding)
 
 Shapes: B batch, T sequence, H query heads, K key/value heads, D head_dim, V vocab.

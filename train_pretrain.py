@@ -33,7 +33,8 @@ def main(argv: list[str]):
     max_steps, warmup_steps, _ = schedule_length(cfg, loader, val_loader, run)
 
     model = Transformer(model_cfg).to(run.device)
-    print0(f"{model.num_params():,} parameters")
+    print0(f"{model.num_params():,} parameters" +
+           (f", {model.num_params(active=True):,} of them active per token" if model_cfg.n_experts else ""))
     best = EarlyStopping()  # no patience: it only tracks the best validation loss
     optimizer, scaler, guard, checkpoints = prepare_training(cfg, model_cfg, "pretrain", run, model, loader, best)
     step = checkpoints.resume(resume_from)
