@@ -224,11 +224,14 @@ def load_model_state(model, state_dict: dict, source: str, adapters_only: bool =
             own[k].copy_(v)  # state_dict() tensors share the parameters' storage
 
 
-def model_from_checkpoint(path: str, device="cpu", **overrides):
+def model_from_checkpoint(path: str, device="cpu", yarn: float | None = None, **overrides):
     """(Transformer with the checkpoint's architecture -- model_config updated by overrides such as flash or
-    dropout -- and its weights, loaded strictly; the checkpoint itself). A LoRA checkpoint's adapters come
-    merged onto its base, so that every caller (sampling, evaluation, export, fine-tuning) takes it as it is."""
+    dropout, and by yarn (see longer_context) -- and its weights, loaded strictly; the checkpoint itself). A LoRA
+    checkpoint's adapters come merged onto its base, so that every caller (sampling, evaluation, export,
+    fine-tuning) takes it as it is."""
     state = load_checkpoint(path)
+    if yarn is not None:
+        overrides |= longer_context(state["model_config"], yarn, path)
     if state.get("stage") == "reward":
         raise CheckpointError(f"{path} is a reward model (train_reward.py), not a language model: it scores answers "
                               f"(reward_model.load_reward_model, eval.py pairs) and cannot generate or fine-tune")
@@ -273,10 +276,21 @@ def frozen_model(path: str, device, flash: bool | None):
     return model_from_checkpoint(path, device, flash=flash)[0].eval().requires_grad_(False)
 
 
-def load_model(path: str, device="cpu", tokenizer_path: str | None = None):
+def longer_context(model_config: dict, factor: float, path: str) -> dict:
+    """ModelConfig overrides that run a model factor times past the context it was trained at, by YaRN."""
+    if factor <= 1:
+        raise ConfigError(f"--yarn: the factor must be above 1, got {factor:g}")
+    if model_config.get("rope_scaling"):
+        raise ConfigError(f"--yarn: {path} scales its RoPE already ({model_config['rope_scaling']}, factor "
+                          f"{model_config['rope_factor']:g} over {model_config['rope_original_max_len']} positions)")
+    n = model_config["max_seq_len"]
+    return {"rope_scaling": "yarn", "rope_factor": factor, "rope_original_max_len": n, "max_seq_len": int(n * factor)}
+
+
+def load_model(path: str, device="cpu", tokenizer_path: str | None = None, yarn: float | None = None):
     """(eval-mode model, tokenizer, the checkpoint) for sampling, serving and evaluation: the tokenizer the
-    checkpoint was trained with, or tokenizer_path if it holds the same files."""
-    model, state = model_from_checkpoint(path, device)
+    checkpoint was trained with, or tokenizer_path if it holds the same files; yarn: a factor for a longer context."""
+    model, state = model_from_checkpoint(path, device, yarn)
     tokenizer = checkpoint_tokenizer(state, tokenizer_path)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but {path}'s model only "

@@ -129,6 +129,7 @@ def parse_args(argv):
     p.add_argument("--prompt", help="answer this once and exit; without it, chat interactively")
     p.add_argument("--system", help="system prompt (chat checkpoints)")
     p.add_argument("--tokenizer_path", help="default: the checkpoint's (its chat template comes with it)")
+    p.add_argument("--yarn", type=float, help="FACTOR: a context FACTOR times the trained one, by YaRN rope scaling")
     p.add_argument("--tools", help="offer tools and run the calls: builtin, built-in names (calculate_math,"
                                    "unit_converter,get_current_time) or a file.py / module of your functions")
     p.add_argument("--max_turns", type=int, default=5, help="with --tools: model turns per message, at most")
@@ -148,7 +149,7 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(argv)
     run = open_device(args.device, args.dtype)
-    model, tokenizer, state = load_model(args.ckpt, run.device, args.tokenizer_path)
+    model, tokenizer, state = load_model(args.ckpt, run.device, args.tokenizer_path, args.yarn)
     generator = torch.Generator(run.device).manual_seed(args.seed)  # on the device it samples on
     chat = state["stage"] != "pretrain"
     budget = prompt_budget(model.config.max_seq_len, args.max_new_tokens)

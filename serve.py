@@ -439,7 +439,8 @@ class App:
 
     def __init__(self, args):
         run = open_device(args.device, args.dtype)
-        model, self.tokenizer, state = load_model(args.ckpt, run.device, args.tokenizer_path)  # and its template
+        # the checkpoint's tokenizer and its template
+        model, self.tokenizer, state = load_model(args.ckpt, run.device, args.tokenizer_path, args.yarn)
         self.device = run.device
         self.stage = state["stage"]
         self.max_seq_len = model.config.max_seq_len
@@ -780,6 +781,7 @@ def parse_args(argv):
                         "(checked on a loopback --host, or whenever given), e.g. myhost.lan,myhost.lan.")
     p.add_argument("--model_name", help="the model's id in the API (default: nanomind-<the checkpoint's stage>)")
     p.add_argument("--tokenizer_path", help="default: the checkpoint's")
+    p.add_argument("--yarn", type=float, help="FACTOR: a context FACTOR times the trained one, by YaRN rope scaling")
     p.add_argument("--max_batch", type=int, default=8, help="requests decoded together; more wait for a row")
     p.add_argument("--max_body_kb", type=int, default=1024, help="larger request bodies get 413")
     p.add_argument("--max_connections", type=int, default=128, help="connections open at once; more get 503")

@@ -15,10 +15,11 @@ import train_grpo
 import train_pretrain
 import train_reward
 import train_sft
-from checkpoint import load_checkpoint, lora_model, model_from_checkpoint
-from conftest import (REPO, TINY_CONTEXT, TINY_MODEL, TINY_RUN, assert_resumes_exactly, final_weights, lora_sft,
+from checkpoint import load_checkpoint, load_model, lora_model, model_from_checkpoint
+from conftest import (REPO, run_script, TINY_CONTEXT, TINY_MODEL, TINY_RUN, assert_resumes_exactly, final_weights, lora_sft,
                       pretrain, read_metrics, tiny, train_losses)
 from engine import Engine, KVCache, Row
+from errors import ConfigError
 from test_engine import alone, ids, sharpen
 from lora import adapter_state, lora_layers
 from model import ModelConfig, MoEFeedForward, Transformer, aux_loss, rope_tables
@@ -272,3 +273,24 @@ def test_an_moe_model_with_yarn_decodes_with_the_kv_cache_as_in_a_full_forward_a
         engine.step()
     for row, prompt in zip(rows, prompts):
         assert row.tokens == alone(model, prompt, 12)
+
+
+def test_yarn_runs_a_checkpoint_past_the_context_it_was_trained_at(tiny_pretrained, demo_dir):
+    model, tokenizer, _ = load_model(str(tiny_pretrained), yarn=4)
+    c = model.config
+    assert (c.rope_scaling, c.rope_factor, c.rope_original_max_len, c.max_seq_len) == ("yarn", 4, TINY_CONTEXT,
+                                                                                     4 * TINY_CONTEXT)
+    plain, _, _ = load_model(str(tiny_pretrained))
+    assert not torch.allclose(model.rope_cos[:TINY_CONTEXT], plain.rope_cos)  # the trained positions are rescaled too
+    with pytest.raises(ConfigError, match="must be above 1"):
+        load_model(str(tiny_pretrained), yarn=1)
+    # three times the trained context: too long for the model as trained, read whole with --yarn
+    text = open(f"{demo_dir}/pretrain.jsonl", encoding="utf-8").read(6000)
+    ids = tokenizer.encode(text)[: 3 * TINY_CONTEXT]
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        plain(torch.tensor([ids]))
+    model(torch.tensor([ids]))
+    prompt = tokenizer.decode(ids)
+    done = run_script("sample.py", "--ckpt", str(tiny_pretrained), "--yarn", "4", "--prompt", prompt,
+                      "--max_new_tokens", "8", "--temperature", "0", "--device", "cpu")
+    assert done.returncode == 0, done.stderr[-2000:]
