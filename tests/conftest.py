@@ -182,6 +182,30 @@ def lora_sft(base, demo_dir, out_dir, *flags):
                     "--batch_size=8", "--lr=1e-2", "--max_seq_len=64", *LORA, *flags])
 
 
+def pretrain_ddp_matches_one_process(demo_dir, tmp_path, *flags) -> dict:
+    """Tiny pretraining for 5 steps of accum 2 with flags, batch 4 in one process and batch 2 on each of 2 ranks
+    under torchrun: the same losses and final weights (within 1e-5), identical on both ranks. The DDP run's last
+    checkpoint."""
+    import train_pretrain
+    from checkpoint import load_checkpoint
+
+    common = [f"--data_path={demo_dir}/pretrain.jsonl", *TINY_MODEL, *TINY_RUN, "--lr=3e-3", "--warmup_steps=3",
+              "--max_steps=5", "--accum_steps=2", *flags]
+    train_pretrain.main(common + ["--batch_size=4", f"--out_dir={tmp_path / 'single'}"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(REPO, "train_pretrain.py"), *common, "--batch_size=2", f"--out_dir={tmp_path / 'ddp'}"]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    a, b = train_losses(tmp_path / "single"), train_losses(tmp_path / "ddp")
+    assert set(a) == set(b) and all(abs(a[s] - b[s]) <= 1e-5 for s in a)
+    ckpt = load_checkpoint(str(tmp_path / "ddp" / "step_0000005.pt"))
+    assert ckpt["rank_weight_diff"] == 0.0  # both ranks hold identical weights
+    single = final_weights(tmp_path / "single", 5)
+    assert max((single[k] - ckpt["model"][k]).abs().max().item() for k in single) <= 1e-5
+    return ckpt
+
+
 def run_script(*args, cwd=REPO):
     """python *args in a process, as a user runs a script: its exit status, stdout and stderr."""
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=120)

@@ -30,15 +30,18 @@ def llama(path: Path) -> Llama:
                  type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
-def exported(request, tmp_path_factory):
-    """(nanomind's model, its tokenizer, the GGUF's path, llama.cpp's model of it): random weights, MiniMind's
-    tokenizer, float32."""
-    tmp = tmp_path_factory.mktemp("gguf")
-    ckpt = random_checkpoint(tmp / "ckpt.pt", SHAPES[request.param], MINIMIND_TOKENIZER)
+def export_random(shape: dict, tmp):
+    """(nanomind's model, its tokenizer, the GGUF's path, llama.cpp's model of it): random weights of shape,
+    MiniMind's tokenizer, float32."""
+    ckpt = random_checkpoint(tmp / "ckpt.pt", shape, MINIMIND_TOKENIZER)
     convert.main(["export", str(ckpt), str(tmp / "model.gguf")])
     model, _ = model_from_checkpoint(str(ckpt))
     return model.eval(), load_tokenizer(MINIMIND_TOKENIZER), tmp / "model.gguf", llama(tmp / "model.gguf")
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def exported(request, tmp_path_factory):
+    return export_random(SHAPES[request.param], tmp_path_factory.mktemp("gguf"))
 
 
 def test_the_gguf_package_reads_back_the_model_s_keys_and_every_tensor(exported):

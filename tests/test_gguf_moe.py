@@ -14,7 +14,7 @@ from errors import ConfigError
 from gguf_export import gguf_name, halves_to_pairs, stack_experts
 from model import MoEFeedForward, yarn
 from test_export import MINIMIND_TOKENIZER, MIXED, TINY, nanomind_logits, random_checkpoint
-from test_gguf import llama
+from test_gguf import export_random, llama
 from tokenizer import load_tokenizer
 
 MOE = TINY["untied_mha_qk_norm"] | dict(vocab_size=6400, n_experts=4, moe_ffn_dim=48)
@@ -34,13 +34,7 @@ N_IDS = 40  # past rope_original_max_len
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def exported(request, tmp_path_factory):
-    """(nanomind's model, its tokenizer, the GGUF's path, llama.cpp's model of it): random weights, MiniMind's
-    tokenizer, float32."""
-    tmp = tmp_path_factory.mktemp("gguf_moe")
-    ckpt = random_checkpoint(tmp / "ckpt.pt", SHAPES[request.param], MINIMIND_TOKENIZER)
-    convert.main(["export", str(ckpt), str(tmp / "model.gguf")])
-    model, _ = model_from_checkpoint(str(ckpt))
-    return model.eval(), load_tokenizer(MINIMIND_TOKENIZER), tmp / "model.gguf", llama(tmp / "model.gguf")
+    return export_random(SHAPES[request.param], tmp_path_factory.mktemp("gguf_moe"))
 
 
 def test_the_gguf_package_reads_back_the_experts_and_yarn_keys_and_every_tensor(exported):

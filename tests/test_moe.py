@@ -1,9 +1,6 @@
 """Mixture of experts and YaRN in model.py: the dispatch equals a plain loop over experts and runs only the chosen
 ones, MiniMind's load-balancing loss, minimind-3-moe's parameter counts, and transformers' YaRN tables."""
-import os
 import runpy
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,17 +9,16 @@ import torch.nn.functional as F
 import train_distill
 import train_dpo
 import train_grpo
-import train_pretrain
 import train_reward
 import train_sft
 from checkpoint import load_checkpoint, load_model, lora_model, model_from_checkpoint
-from conftest import (REPO, run_script, TINY_CONTEXT, TINY_MODEL, TINY_RUN, assert_resumes_exactly, final_weights, lora_sft,
-                      pretrain, read_metrics, tiny, train_losses)
+from conftest import (REPO, TINY_CONTEXT, TINY_RUN, assert_resumes_exactly, lora_sft, pretrain,
+                      pretrain_ddp_matches_one_process, read_metrics, run_script, tiny)
 from engine import Engine, KVCache, Row
 from errors import ConfigError
-from test_engine import alone, ids, sharpen
 from lora import adapter_state, lora_layers
 from model import ModelConfig, MoEFeedForward, Transformer, aux_loss, rope_tables
+from test_engine import alone, ids, sharpen
 from token_cache import tokenize_file
 from tokenizer import load_tokenizer
 
@@ -187,21 +183,8 @@ def test_an_moe_model_pretrains_with_its_aux_loss_logged_and_the_aux_loss_balanc
 
 def test_ddp_with_experts_matches_one_process_without_unused_parameter_search(demo_dir, tmp_path):
     # without the aux loss: it is a function of each rank's own tokens (shares times mean scores), so two ranks'
-    # mean is not one process's over the same global batch
-    common = [f"--data_path={demo_dir}/pretrain.jsonl", *TINY_MODEL, *TINY_RUN, *EXPERTS, "--lr=3e-3",
-              "--warmup_steps=3", "--max_steps=5", "--accum_steps=2", "--router_aux_loss_coef=0"]
-    train_pretrain.main(common + ["--batch_size=4", f"--out_dir={tmp_path / 'single'}"])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(REPO, "train_pretrain.py"), *common, "--batch_size=2", f"--out_dir={tmp_path / 'ddp'}"]
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    a, b = train_losses(tmp_path / "single"), train_losses(tmp_path / "ddp")
-    assert set(a) == set(b) and all(abs(a[s] - b[s]) <= 1e-5 for s in a)
-    ckpt = load_checkpoint(str(tmp_path / "ddp" / "step_0000005.pt"))
-    assert ckpt["rank_weight_diff"] == 0.0  # every expert, used on a rank or not, was all-reduced alike
-    single = final_weights(tmp_path / "single", 5)
-    assert max((single[k] - ckpt["model"][k]).abs().max().item() for k in single) <= 1e-5
+    # mean is not one process's over the same global batch; every expert, used on a rank or not, is all-reduced
+    pretrain_ddp_matches_one_process(demo_dir, tmp_path, *EXPERTS, "--router_aux_loss_coef=0")
 
 
 @pytest.fixture(scope="module")

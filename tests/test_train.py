@@ -1,15 +1,10 @@
 """The pretraining loop: the loss falls and the schedule steps once per optimizer step, two DDP processes equal one
 with the same global batch, non-finite steps are skipped, named, and stop the run."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import train_pretrain
-from checkpoint import load_checkpoint
-from conftest import REPO, TINY_MODEL, TINY_RUN, final_weights, pretrain, read_metrics, train_losses
+from conftest import final_weights, pretrain, pretrain_ddp_matches_one_process, read_metrics
 from errors import NonFiniteError
 from model import Transformer
 from optim import get_lr
@@ -28,22 +23,8 @@ def test_loss_falls_and_the_schedule_steps_once_per_optimizer_step(demo_dir, tmp
 
 
 def test_ddp_two_processes_match_one_process_with_the_same_global_batch(demo_dir, tmp_path):
-    common = [f"--data_path={demo_dir}/pretrain.jsonl", *TINY_MODEL, *TINY_RUN, "--lr=3e-3", "--warmup_steps=3",
-              "--max_steps=5", "--accum_steps=2"]
-    pretrain_args = ["--batch_size=4", f"--out_dir={tmp_path / 'single'}"]
-    train_pretrain.main(common + pretrain_args)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(REPO, "train_pretrain.py"), *common, "--batch_size=2", f"--out_dir={tmp_path / 'ddp'}"]
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    a, b = train_losses(tmp_path / "single"), train_losses(tmp_path / "ddp")
-    assert set(a) == set(b) and all(abs(a[s] - b[s]) <= 1e-5 for s in a)
-    ckpt = load_checkpoint(str(tmp_path / "ddp" / "step_0000005.pt"))
-    assert ckpt["rank_weight_diff"] == 0.0  # both ranks hold identical weights
+    ckpt = pretrain_ddp_matches_one_process(demo_dir, tmp_path)
     assert len(ckpt["rng"]) == 2
-    single = final_weights(tmp_path / "single", 5)
-    assert max((single[k] - ckpt["model"][k]).abs().max().item() for k in single) <= 1e-5
 
 
 def poisoned_model(bad_steps: set[int]):
