@@ -2,7 +2,7 @@
 Measured speed of every stage, through the real code: tokens/s, ms/step, MFU, peak memory and where a step's
 time goes for train_pretrain.py, train_sft.py, train_dpo.py and train_grpo.py (each run as it is, on synthetic
 data); KV-cache decoding against recomputation; a group of RL completions sampled together against one by one;
-tokenisation and batching throughput.
+tokenisation and batching throughput; a model with experts against the dense one of as many active parameters.
 
     python bench.py configs/26m.py --mode=train --batch_size=8 --variants "dtype=float32" "dtype=bfloat16"
     python bench.py configs/26m.py --mode=sft --batch_size=8
@@ -12,18 +12,20 @@ tokenisation and batching throughput.
     python bench.py configs/26m.py --mode=generate                 # batch 1 and 8, 256 new tokens
     python bench.py configs/26m.py --mode=data --batch_size=8
     python bench.py configs/26m.py --mode=serve                    # serve.py: 1 client alone, then 8 at once
+    python bench.py configs/moe_198m.py --mode=moe --max_seq_len=128 --batch_size=4  # MoE vs dense, in turns
 
 Bench's own keys are those of Bench below; every other --key=value goes to the training script (sft/dpo/grpo: model
-keys shape the random-init checkpoint they start from; generate/data: model, batch_size, device, dtype); --help lists
-both. A variant is a space-separated list of key=value overrides on top of those; each runs in a fresh subprocess,
-so its peak memory (CUDA max allocated, or peak RSS on the CPU) is its own. The script runs `steps` warm-up steps,
-then `steps` more, each logged (and timed) on its own: tokens/s, ms/step, MFU and the time split are those of the
-fastest of them, tokens_per_s_median and mfu_median those of the median one. MFU is against the measured matmul peak
-of the run's dtype: peak_repeats measurements before the first variant and after every one, the best of all of them
-in the whole bench run. On a shared VM the speed of the same work can move by half from second to second, so the
-fastest step against the fastest matmul, both sampled over the same minutes, compares like with like, and the median
-shows what a long run sees. other_load is how many cores other processes kept busy meanwhile (from /proc/stat; a
-VM's neighbours on the same host do not show in it). The last line of output is one JSON object with every figure.
+keys shape the random-init checkpoint they start from; generate/data: model, batch_size, device, dtype; moe: as
+train, with experts); --help lists both. A variant is a space-separated list of key=value overrides on top of those;
+each runs in a fresh subprocess, so its peak memory (CUDA max allocated, or peak RSS on the CPU) is its own. The
+script runs `steps` warm-up steps, then `steps` more, each logged (and timed) on its own: tokens/s, ms/step, MFU and
+the time split are those of the fastest of them, tokens_per_s_median and mfu_median those of the median one. MFU is
+against the measured matmul peak of the run's dtype: peak_repeats measurements before the first variant and after
+every one, the best of all of them in the whole bench run. On a shared VM the speed of the same work can move by
+half from second to second, so the fastest step against the fastest matmul, both sampled over the same minutes,
+compares like with like, and the median shows what a long run sees. other_load is how many cores other processes
+kept busy meanwhile (from /proc/stat; a VM's neighbours on the same host do not show in it). The last line of output
+is one JSON object with every figure.
 """
 import dataclasses
 import json
@@ -59,7 +61,7 @@ from tokenizer import load_tokenizer
 @dataclasses.dataclass
 class Bench:
     # --- what to measure
-    mode: str = "train"  # train | sft | dpo | lora | grpo | generate | data | serve
+    mode: str = "train"  # train | sft | dpo | lora | grpo | generate | data | serve | moe
     steps: int = 5  # steps 1..N warm up (allocations settle), N+1..2N are timed one by one
     peak_repeats: int = 3  # measure_peak_flops runs before the first variant and after each (unless --peak_flops)
     # --- mode=lora
@@ -71,7 +73,8 @@ class Bench:
     new_tokens: int = 256
     # --- mode=serve
     clients: int = 8  # streams at once, against one alone
-    rounds: int = 3  # each: one client alone, then `clients` together; a row per round
+    # --- mode=serve and mode=moe
+    rounds: int = 3  # serve: one client alone, then `clients` together (a row each); moe: experts, then dense
     # --- mode=data
     data_mb: float = 2000.0  # size of the synthetic file to tokenise when no --data_path is given (deleted after)
 
@@ -127,12 +130,15 @@ def parse_args(argv: list[str]) -> tuple[Bench, list[str], list[str]]:
             end += 1
         variants, argv = argv[i + 1 : end + 1], argv[:i] + argv[end + 1 :]
     (bench,) = load_config([a for a in argv if key(a) in keys(Bench)], Bench)
-    if bench.mode not in (*SCRIPTS, "lora", "generate", "data", "serve"):
-        raise ConfigError(f"mode must be train, sft, dpo, lora, grpo, generate, data or serve, got {bench.mode!r}")
+    if bench.mode not in (*SCRIPTS, "lora", "generate", "data", "serve", "moe"):
+        raise ConfigError(f"mode must be train, sft, dpo, lora, grpo, generate, data, serve or moe, got {bench.mode!r}")
     flags += [a for a in argv if key(a) not in keys(Bench)]
     variants = variants or DEFAULT_VARIANTS.get(bench.mode, [""])
     for variant in variants:
-        resolve(bench.mode, flags + variant_flags(variant))
+        _, model_cfg = resolve(bench.mode, flags + variant_flags(variant))
+        if bench.mode == "moe" and not model_cfg.n_experts:
+            raise ConfigError(f"mode=moe needs a model with experts (n_experts > 0, e.g. configs/moe_198m.py), "
+                              f"got n_experts=0{f' in variant {variant!r}' if variant else ''}")
     return bench, flags, variants
 
 
@@ -219,7 +225,7 @@ def timed_steps(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak
     peak = cfg.peak_flops or peak_of(run.device, run.dtype, again=False)  # for the script's own MFU column
     n_items = (2 * bench.steps + 1) * cfg.batch_size * cfg.accum_steps  # no epoch ends (and evaluates) in the run
     script, schema = SCRIPTS[mode]
-    args = [f for f in flags if key(f) in keys(schema)] if mode != "train" else flags
+    args = [f for f in flags if key(f) in keys(schema) or mode == "train"]  # a copy: mode=moe reuses flags each round
     if "data_path" not in given:
         synth.rng.seed(cfg.seed)  # every variant or run of one mode trains on the same conversations (lengths)
         for split, n in (("train", n_items), ("val", cfg.batch_size)):
@@ -537,8 +543,48 @@ def run_serve(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_o
         server.wait()
 
 
+def dense_counterpart(model_cfg: ModelConfig) -> list[str]:
+    """The flags that make a model with experts dense with as many active parameters (the router's aside): one
+    SwiGLU as wide as a token's experts together, everything else equal."""
+    return ["--n_experts=0", f"--ffn_dim={model_cfg.experts_per_token * model_cfg.moe_ffn_dim}"]
+
+
+def run_moe(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
+    """train_pretrain.py with the model with experts and with its dense counterpart, each through run_stage, in
+    turns (MoE, dense, MoE, ...) for `rounds` rounds, so that the machine's changing load hits both alike. A row per
+    model: its parameters (all, and those one token uses), its fastest step of all rounds (tokens/s, ms/step, MFU,
+    time split), the median of its rounds' median steps, its largest peak memory, and each round's ratio of its
+    fastest step to the dense model's (vs_dense: the median, min and max over the rounds) and of the peak memories."""
+    models = {"moe": flags, "dense": flags + dense_counterpart(resolve("train", flags)[1])}
+    rounds = []
+    for r in range(bench.rounds):
+        rounds.append({})
+        for name, model_flags in models.items():
+            os.makedirs(run_dir := f"{tmp}/{r}_{name}")
+            print(f"  round {r + 1} {name} ...", file=sys.stderr, flush=True)
+            (rounds[-1][name],) = run_stage(dataclasses.replace(bench, mode="train"), model_flags, run_dir, synth,
+                                            peak_of)
+    rows, dense_mem = [], max(measured["dense"]["mem_gb"] for measured in rounds)
+    for name, model_flags in models.items():
+        runs = [measured[name] for measured in rounds]
+        fastest = max(runs, key=lambda row: row["tokens_per_s"])
+        median, mem = statistics.median(row["tokens_per_s_median"] for row in runs), max(row["mem_gb"] for row in runs)
+        ratios = sorted(m[name]["tokens_per_s"] / m["dense"]["tokens_per_s"] for m in rounds)
+        with torch.device("meta"):  # shapes only, no memory
+            model = Transformer(resolve("train", model_flags)[1])
+        rows.append({"model": name, "params": model.num_params(), "active_params": model.num_params(active=True),
+                     "tokens_per_s": fastest["tokens_per_s"], "tokens_per_s_median": median,
+                     "ms_per_step": fastest["ms_per_step"], "mem_gb": mem, "mem_vs_dense": mem / dense_mem,
+                     # MFU is tokens/s times a constant (one model, one peak): the median's against the fastest's peak
+                     "mfu": fastest["mfu"], "mfu_median": fastest["mfu"] * median / fastest["tokens_per_s"],
+                     "vs_dense": statistics.median(ratios), "vs_dense_min": ratios[0], "vs_dense_max": ratios[-1],
+                     **{k: v for k, v in fastest.items() if k.startswith("frac_")},
+                     **{k: fastest[k] for k in ("device", "dtype", "peak_flops", "peak_measured")}})
+    return rows
+
+
 RUNNERS = {"train": run_stage, "sft": run_stage, "dpo": run_stage, "lora": run_lora, "grpo": run_grpo,
-           "generate": run_generate, "data": run_data, "serve": run_serve}
+           "generate": run_generate, "data": run_data, "serve": run_serve, "moe": run_moe}
 STAGE_COLUMNS = {"tokens_per_s": "{:.0f}", "tokens_per_s_median": "{:.0f}", "ms_per_step": "{:.0f}",
                  "mfu": "{:.2%}", "mfu_median": "{:.2%}", "mem_gb": "{:.2f}",
                  "frac_data": "{:.1%}", "frac_forward": "{:.1%}", "frac_backward": "{:.1%}", "frac_optimizer": "{:.1%}",
@@ -554,6 +600,11 @@ COLUMNS = {"train": STAGE_COLUMNS, "sft": STAGE_COLUMNS, "dpo": STAGE_COLUMNS,
            "generate": {"batch_size": "{}", "prefill_tokens_per_s": "{:.0f}", "decode_tokens_per_s_cache": "{:.1f}",
                         "decode_tokens_per_s_recompute": "{:.1f}", "cache_speedup": "{:.1f}x",
                         "other_load": "{:.2f}"},
+           "moe": {"model": "{}", "params": "{:,}", "active_params": "{:,}", "tokens_per_s": "{:.0f}",
+                   "tokens_per_s_median": "{:.0f}", "ms_per_step": "{:.0f}", "mfu": "{:.2%}", "mfu_median": "{:.2%}",
+                   "mem_gb": "{:.2f}", "vs_dense": "{:.2f}x", "vs_dense_min": "{:.2f}x", "vs_dense_max": "{:.2f}x",
+                   "mem_vs_dense": "{:.2f}x", "frac_forward": "{:.1%}", "frac_backward": "{:.1%}",
+                   "frac_optimizer": "{:.1%}", "other_load": "{:.2f}"},
            "serve": {"round": "{}", "clients": "{}", "tokens_per_s_alone": "{:.1f}", "tokens_per_s_together": "{:.1f}",
                      "ratio": "{:.2f}x", "other_load": "{:.2f}"},
            "data": {"file_mb": "{:.1f}", "tokens": "{:.3g}", "tokenise_mb_per_s_1proc": "{:.2f}",

@@ -6,10 +6,12 @@ One-shot checks to run before a long job: each finds in minutes a bug that would
     python diagnose.py data --data_path=data/sft_mini_512.jsonl --kind=sft        # lengths, duplicates, loss mask
     python diagnose.py activations configs/26m.py                # NaN/Inf, dead or huge activations, odd weights
     python diagnose.py memory configs/26m.py --batch_size=32      # estimated vs measured training memory
+    python diagnose.py experts --ckpt=out/pretrain/best.pt --data_path=data/pretrain_hq.jsonl --steps=20  # routing
 
-Keys: Config below and the model's (ModelConfig in model.py), from a config file and --key=value flags; a
-training config works as it is (its keys that mean nothing here are named once and dropped). Without data_path,
-batches are random tokens. PNGs go to out_dir. `python diagnose.py --help` lists every key.
+Keys: Config below and the model's (ModelConfig in model.py), from a config file and --key=value flags; a training
+config works as it is (its keys that mean nothing here are named once and dropped); experts takes the model (and the
+tokenizer) from --ckpt instead. Without data_path, batches are random tokens. PNGs go to out_dir.
+`python diagnose.py --help` lists every key.
 """
 import ctypes
 import dataclasses
@@ -27,10 +29,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from chat import encode_chat, show_mask  # noqa: E402
+from checkpoint import checkpoint_tokenizer, model_from_checkpoint  # noqa: E402
 from config import DPOConfig, PretrainConfig, SFTConfig, help_text, load_config  # noqa: E402
 from data import Loader, PretrainData, SFTData  # noqa: E402
-from errors import BadRecord, ConfigError, cli  # noqa: E402
-from model import ATTENTION_TILE, ModelConfig, Transformer  # noqa: E402
+from errors import BadRecord, CheckpointError, ConfigError, cli  # noqa: E402
+from model import ATTENTION_TILE, ModelConfig, MoEFeedForward, Transformer  # noqa: E402
 from optim import set_lr  # noqa: E402
 from runtime import setup  # noqa: E402
 from token_cache import encode_pretrain, encode_sft, tokenize_file  # noqa: E402
@@ -43,6 +46,7 @@ class Config:
     # a training config's out_dir applies too: the PNGs go beside that run's metrics.jsonl, where they belong; no
     # training script writes these names, and a fresh run refuses only a directory that holds checkpoints
     out_dir: str = "out/diagnose"  # lr_find.png, lengths.png
+    ckpt: str | None = None  # experts: the checkpoint whose routing to count (its model; the model keys go unused)
     # --- data
     data_path: str | None = None  # None: random tokens (the data command needs a file)
     kind: str = "pretrain"  # pretrain | sft: how data_path is read
@@ -50,7 +54,7 @@ class Config:
     max_records: int | None = None  # data: read only the first this many records
     # --- the checks (model keys: see ModelConfig)
     batch_size: int = 8
-    steps: int = 100  # overfit: at most this many steps; lr_find: the length of the sweep
+    steps: int = 100  # overfit: at most this many steps; lr_find: the length of the sweep; experts: batches
     lr: float = 1e-3  # overfit
     # --- system
     device: str = "auto"
@@ -360,9 +364,84 @@ def print_memory(est: dict, measured: dict):
 
 
 # -----------------------------------------------------------------------------
+# the experts' routing
 
-def batches(cfg: Config, model_cfg: ModelConfig, device):
-    """next_batch() -> (X, Y, loss_mask) of batch_size x max_seq_len: from data_path, or random tokens."""
+@torch.no_grad()
+def expert_shares(model, next_batch, n_batches: int, autocast=nullcontext) -> torch.Tensor:
+    """The share of the token slots (experts_per_token per token) each expert took in each layer over n_batches
+    forwards of next_batch() -> (X, ...): (n_layers, n_experts) float64, each row summing to 1. Read from the MoE
+    layers' `load` after each forward, weighted by the batch's tokens (SFT batches differ in length); every position
+    counts, padding too, as in training."""
+    layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    counts = torch.zeros(len(layers), model.config.n_experts, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    for _ in range(n_batches):
+        X = next_batch()[0]
+        with autocast():
+            model(X)  # no targets: the logits of the last position only, but every position passes the experts
+        counts += torch.stack([m.load for m in layers]).cpu().double() * X.numel()
+    model.train(was_training)
+    return counts / counts.sum(dim=1, keepdim=True)
+
+
+def share_limits(n_experts: int, experts_per_token: int) -> tuple[float, float]:
+    """(starved, dominant): below a quarter of the fair share 1/n_experts an expert trains on a quarter of a balanced
+    one's tokens or fewer; above 3/4 of the way from 1/n_experts to 1/experts_per_token (every token's slot) one
+    expert takes so much that, at one expert per token, the others average below the starved line."""
+    fair = 1 / n_experts
+    return fair / 4, fair + 0.75 * (1 / experts_per_token - fair)
+
+
+def collapsed_experts(shares: torch.Tensor, experts_per_token: int) -> list[tuple[int, int, float]]:
+    """(layer, expert, share) of every expert whose share is outside share_limits."""
+    low, high = share_limits(shares.size(1), experts_per_token)
+    return [(layer, expert, share) for layer, row in enumerate(shares.tolist())
+            for expert, share in enumerate(row) if not low <= share <= high]
+
+
+EXPERTS_CHECKLIST = """A collapsed router trains a few experts and wastes the others. Check:
+  - router_aux_loss_coef: the load-balancing loss (aux_loss in metrics.jsonl) must be on, and weigh enough
+  - lr and warmup_steps: a router that moves fast early can lock onto the experts that won the first steps"""
+
+
+def report_experts(cfg: Config, run):
+    if cfg.ckpt is None:
+        raise ConfigError("the experts command needs --ckpt: a checkpoint of a model with experts")
+    model, state = model_from_checkpoint(cfg.ckpt, run.device)
+    c = model.config
+    if not c.n_experts:
+        raise CheckpointError(f"{cfg.ckpt} is a dense model (n_experts = 0): it has no experts to route tokens to")
+    if cfg.data_path is None:
+        print("note: random tokens are not what the router learnt on; pass --data_path for the shares training sees")
+    print(f"{model.num_params():,} parameters ({model.num_params(active=True):,} active per token), {c.n_experts} "
+          f"experts per layer, {c.experts_per_token} per token; {cfg.steps} batches of {cfg.batch_size} x "
+          f"{c.max_seq_len} {'random tokens' if cfg.data_path is None else 'from ' + cfg.data_path}, "
+          f"{run.dtype} on {run.device}")
+    shares = expert_shares(model, batches(cfg, c, run.device, state), cfg.steps, run.autocast)
+    low, high = share_limits(c.n_experts, c.experts_per_token)
+    print(f"share of the token slots each expert took (fair: 1/{c.n_experts} = {1 / c.n_experts:.1%}; ✗ collapsed)")
+    print("layer" + "".join(f"{f'expert {e}':>11}" for e in range(c.n_experts)))
+    for layer, row in enumerate(shares.tolist()):
+        print((f"{layer:5d}" + "".join(f"{v:>10.1%}{' ' if low <= v <= high else '✗'}" for v in row)).rstrip())
+    rule = (f"starved: under 1/(4 n_experts) = {low:.2%}; dominant: over {high:.2%}, 3/4 of the way from "
+            f"1/n_experts to 1/experts_per_token")
+    bad = collapsed_experts(shares, c.experts_per_token)
+    if not bad:
+        print(f"✓ no expert collapsed: every share within {low:.2%} .. {high:.2%} ({rule})")
+        return
+    by_layer: dict[int, list[str]] = {}
+    for layer, expert, share in bad:
+        by_layer.setdefault(layer, []).append(f"expert {expert} {share:.1%} {'starved' if share < low else 'dominant'}")
+    print("✗ collapsed: " + "; ".join(f"layer {layer}: {', '.join(named)}" for layer, named in by_layer.items())
+          + f" ({rule})\n" + EXPERTS_CHECKLIST)
+
+
+# -----------------------------------------------------------------------------
+
+def batches(cfg: Config, model_cfg: ModelConfig, device, state: dict | None = None):
+    """next_batch() -> (X, Y, loss_mask) of batch_size x max_seq_len: from data_path, or random tokens. With a
+    checkpoint's state, its tokenizer (or tokenizer_path, checked to be the same): other ids would route otherwise."""
     T = model_cfg.max_seq_len
     if cfg.data_path is None:
         g = torch.Generator().manual_seed(cfg.seed)
@@ -371,7 +450,7 @@ def batches(cfg: Config, model_cfg: ModelConfig, device):
             ids = torch.randint(0, model_cfg.vocab_size, (cfg.batch_size, T + 1), generator=g).to(device)
             return ids[:, :-1], ids[:, 1:], torch.ones(cfg.batch_size, T, device=device)
         return random_batch
-    tokenizer = load_tokenizer(cfg.tokenizer_path)
+    tokenizer = checkpoint_tokenizer(state, cfg.tokenizer_path) if state else load_tokenizer(cfg.tokenizer_path)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but vocab_size is {model_cfg.vocab_size}")
     if cfg.kind == "pretrain":
@@ -392,7 +471,8 @@ COMMANDS = {"overfit": "can the model memorise one batch? (one that cannot has a
             "lr_find": "loss against an exponentially growing lr: lr_find.png and a suggested lr",
             "data": "lengths, duplicates and (kind=sft) the loss mask of data_path: lengths.png",
             "activations": "NaN/Inf, dead or huge activations in one forward pass, and odd weights",
-            "memory": "estimated against measured training memory"}
+            "memory": "estimated against measured training memory",
+            "experts": "the share of the tokens each expert of --ckpt takes, per layer, and collapsed experts"}
 USAGE = f"usage: python diagnose.py {{{'|'.join(COMMANDS)}}} [config_file.py] [--key=value ...]"
 SCHEMAS = (Config, ModelConfig)
 TRAINING = (PretrainConfig, SFTConfig, DPOConfig)  # their config files work here as they are
@@ -452,6 +532,8 @@ def main(argv: list[str]):
     os.makedirs(cfg.out_dir, exist_ok=True)
     if command == "data":
         return report_data(cfg, model_cfg)
+    if command == "experts":
+        return report_experts(cfg, run)
     next_batch = batches(cfg, model_cfg, run.device)
     model = Transformer(model_cfg).to(run.device)
     print(f"{model.num_params():,} parameters; batches of {cfg.batch_size} x {model_cfg.max_seq_len} "

@@ -1,4 +1,4 @@
-"""bench.py: each mode (training, generation, DPO, GRPO, data, serving, LoRA) runs the real code and ends with a
+"""bench.py: each mode (training, generation, DPO, GRPO, data, serving, LoRA, MoE against dense) runs the real code and ends with a
 JSON row, MFU against the best peak sampled around each variant; --help, and a user's mistake as one error line."""
 import json
 import subprocess
@@ -181,7 +181,9 @@ def test_a_user_mistake_is_one_error_line_and_exit_status_2_before_anything_runs
     assert done.returncode == 2 and done.stdout == ""
     assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: ") and "'bogus'" in done.stderr
     assert "Traceback" not in done.stderr
-    for args, named in [(["--mode=sft", "--variants", "lr=1e-3", "lrr=2"], "'lrr'"), (["--mode=nope"], "'nope'")]:
+    for args, named in [(["--mode=sft", "--variants", "lr=1e-3", "lrr=2"], "'lrr'"), (["--mode=nope"], "'nope'"),
+                        (["--mode=moe"], "n_experts > 0"),
+                        (["--mode=moe", "--n_experts=4", "--variants", "", "n_experts=0"], "variant 'n_experts=0'")]:
         with pytest.raises(ConfigError, match=named):
             bench.main([*args, *TINY])
         assert capsys.readouterr().out == ""  # not even the first variant ran: a typo in the last costs no wait
@@ -212,3 +214,52 @@ def test_lora_mode_counts_trainable_parameters_and_sets_up_all_five_runs(monkeyp
     assert all(flags[len(given[0][1])] == "--batch_size=2" for _, flags, _ in given[2:])  # pairs: 4 sequences
     (ref,) = [f for _, flags, _ in given for f in flags if f.startswith("--ref_from=")]  # the 4th run's only
     assert ref == f"--ref_from={given[3][2]}/init.pt" and ref in given[3][1]
+
+
+def test_a_stage_run_leaves_the_flags_it_was_given_as_they_were(tmp_path):
+    """mode=moe gives the same flags to every round: a run that appended its own (its data, its out_dir, the peak
+    it logged against) would hand them on to the next."""
+    flags = [*TINY, "--batch_size=2"]
+    synth = bench.Synthetic(load_tokenizer())
+    bench.run_stage(bench.Bench(steps=1), flags, str(tmp_path), synth, lambda *args, **kwargs: 1e12)
+    assert flags == [*TINY, "--batch_size=2"]
+
+
+MOE = ["--n_experts=4", "--experts_per_token=2", "--moe_ffn_dim=48"]
+
+
+def test_moe_mode_times_the_model_with_experts_and_its_dense_counterpart(capsys):
+    result = bench.main(["--mode=moe", *TINY, *MOE, "--batch_size=2", "--steps=1", "--rounds=1"])
+    moe, dense = last_json(capsys)["rows"]
+    assert (moe["model"], dense["model"]) == ("moe", "dense") and result["rows"] == [moe, dense]
+    # the dense counterpart: one SwiGLU of 2 x 48, as wide as a token's two experts together
+    assert dense["params"] == dense["active_params"] == Transformer(
+        bench.resolve("train", [*TINY, "--ffn_dim=96"])[1]).num_params()
+    assert moe["active_params"] == dense["params"] + 2 * 32 * 4  # + each layer's router (dim x n_experts)
+    assert moe["params"] == moe["active_params"] + 2 * 2 * 3 * 32 * 48  # + each layer's two idle experts
+    assert all(row["tokens_per_s"] > 0 and row["mem_gb"] > 0 for row in (moe, dense))
+    # one round: its ratios are the two rows'; MFU counts the experts a token ran (TINY's --peak_flops=1e12)
+    assert moe["vs_dense"] == moe["vs_dense_min"] == pytest.approx(moe["tokens_per_s"] / dense["tokens_per_s"])
+    assert moe["mem_vs_dense"] == pytest.approx(moe["mem_gb"] / dense["mem_gb"]) and dense["vs_dense"] == 1.0
+    flops_per_token = Transformer(bench.resolve("train", [*TINY, *MOE])[1]).flops_per_token(32)
+    assert moe["mfu"] == pytest.approx(moe["tokens_per_s"] * flops_per_token / 1e12)
+
+
+def test_moe_mode_runs_the_two_models_in_turns_and_takes_each_rounds_ratio(monkeypatch):
+    speeds, given = iter([30.0, 10.0, 20.0, 10.0, 60.0, 20.0]), []  # (moe, dense) per round: ratios 3, 2, 3
+
+    def run_stage(b, flags, *_):
+        given.append((b.mode, flags[len(TINY) + len(MOE):]))
+        speed = next(speeds)
+        return [{"tokens_per_s": speed, "tokens_per_s_median": speed / 2, "ms_per_step": 1000 / speed,
+                 "mfu": speed / 100, "mem_gb": 1.0 + len(given) % 2, "frac_forward": 0.3, "frac_backward": 0.6,
+                 "frac_optimizer": 0.1, "device": "cpu", "dtype": "float32", "peak_flops": 1e12, "peak_measured": False}]
+
+    monkeypatch.setattr(bench, "run_stage", run_stage)
+    moe, dense = bench.main(["--mode=moe", *TINY, *MOE, "--rounds=3"])["rows"]
+    assert given == [("train", []), ("train", ["--n_experts=0", "--ffn_dim=96"])] * 3
+    assert (moe["vs_dense"], moe["vs_dense_min"], moe["vs_dense_max"]) == (3.0, 2.0, 3.0)
+    assert (moe["tokens_per_s"], moe["ms_per_step"], moe["tokens_per_s_median"]) == (60.0, 1000 / 60, 15.0)
+    assert (moe["mfu"], moe["mfu_median"]) == (0.6, pytest.approx(0.15))  # the median's MFU against the same peak
+    assert (dense["tokens_per_s"], dense["tokens_per_s_median"], dense["vs_dense_max"]) == (20.0, 5.0, 1.0)
+    assert (moe["mem_gb"], dense["mem_gb"], moe["mem_vs_dense"]) == (2.0, 1.0, 2.0) and moe["frac_backward"] == 0.6

@@ -1,5 +1,7 @@
 """diagnose.py: overfit and lr_find, the data report, activation checks that name a bad layer, a memory estimate
-equal to what autograd saves, and its command line."""
+equal to what autograd saves, experts' shares equal to a hand count with the collapsed ones named, and its command
+line."""
+import dataclasses
 import json
 import math
 import os
@@ -13,7 +15,7 @@ import torch
 import diagnose
 import model as model_py
 from conftest import REPO, TINY_MODEL
-from errors import ConfigError
+from errors import CheckpointError, ConfigError
 from model import ModelConfig, Transformer
 from tokenizer import load_tokenizer
 
@@ -143,6 +145,86 @@ def test_memory_estimate_matches_what_autograd_saves(flash, grad_checkpoint, dty
     assert measured["activations"] == pytest.approx(est["activations"], rel=0.1)
 
 
+# --- experts -----------------------------------------------------------------------------------
+
+EXPERT_OF_ID = torch.tensor([0, 2, 1, 3])  # routed_checkpoint's router: token id -> expert, by id % 4
+
+
+def routed_checkpoint(path, everything_to: dict[int, int] | None = None, **overrides) -> Transformer:
+    """A tiny model with 4 experts, 1 per token, whose routing is set by hand: attention and experts add nothing, so
+    every layer's input is the token embedding, whose dimensions 0, 1, 2 carry 1, (-1)^id and (-1)^(id // 2); a
+    layer's router reads those to send token id to expert EXPERT_OF_ID[id % 4], or every token to
+    everything_to[layer]."""
+    model = tiny_model(n_experts=4, experts_per_token=1, **overrides)
+    with torch.no_grad():
+        ids, embedding = torch.arange(model.config.vocab_size), model.tok_embeddings.weight
+        embedding[:, 0], embedding[:, 1], embedding[:, 2] = 1.0, 1.0 - 2 * (ids % 2), 1.0 - 2 * (ids // 2 % 2)
+        for i, layer in enumerate(model.layers):
+            layer.attention.wo.weight.zero_()
+            for expert in layer.feed_forward.experts:
+                expert.w2.weight.zero_()
+            gate = layer.feed_forward.gate.weight  # (n_experts, dim)
+            gate.zero_()
+            if i in (everything_to or {}):
+                gate[everything_to[i], 0] = 1.0
+            else:  # expert 0: id % 4 == 0 (+, +); 1: 2 (+, -); 2: 1 (-, +); 3: 3 (-, -)
+                gate[:, 1], gate[:, 2] = torch.tensor([1.0, 1.0, -1.0, -1.0]), torch.tensor([1.0, -1.0, 1.0, -1.0])
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config)}, path)
+    return model
+
+
+def hand_count(batches: list[torch.Tensor]) -> torch.Tensor:
+    ids = torch.cat([X.flatten() for X in batches])
+    return torch.bincount(EXPERT_OF_ID[ids % 4], minlength=4).double() / ids.numel()
+
+
+def the_batches(cfg: diagnose.Config, model, n: int, state=None) -> list[torch.Tensor]:
+    next_batch = diagnose.batches(cfg, model.config, torch.device("cpu"), state)
+    return [next_batch()[0] for _ in range(n)]
+
+
+def test_expert_shares_equal_a_hand_count_and_the_verdict_names_the_collapsed_layer(tmp_path, capsys):
+    model = routed_checkpoint(tmp_path / "moe.pt", everything_to={1: 2})
+    cfg = diagnose.Config(batch_size=3, device="cpu", dtype="float32", ckpt=str(tmp_path / "moe.pt"))
+    batches = the_batches(cfg, model, 4)
+    shares = diagnose.expert_shares(model, iter((X,) for X in batches).__next__, 4)
+    assert shares.tolist() == [pytest.approx(hand_count(batches).tolist()), [0.0, 0.0, 1.0, 0.0]]
+    assert diagnose.collapsed_experts(shares, 1) == [(1, 0, 0.0), (1, 1, 0.0), (1, 2, 1.0), (1, 3, 0.0)]
+    diagnose.main(["experts", f"--ckpt={cfg.ckpt}", "--device=cpu", "--dtype=float32", "--batch_size=3",
+                   "--steps=4", f"--out_dir={tmp_path}"])  # the same batches: random tokens of the same seed
+    out = capsys.readouterr().out.splitlines()
+    (layer0,) = [line for line in out if line.startswith("    0 ")]
+    assert layer0.split()[1:] == [f"{v:.1%}" for v in hand_count(batches).tolist()] and "✗" not in layer0
+    (verdict,) = [line for line in out if line.startswith(("✓", "✗"))]
+    assert verdict.startswith("✗ collapsed: layer 1: expert 0 0.0% starved, expert 1 0.0% starved, "
+                              "expert 2 100.0% dominant, expert 3 0.0% starved (starved: under 1/(4 n_experts) = 6.25%")
+    assert "layer 0" not in verdict and "dominant: over 81.25%" in verdict
+
+
+def test_a_balanced_router_has_no_collapse_verdict_on_a_data_file(tmp_path, capsys):
+    model = routed_checkpoint(tmp_path / "moe.pt", vocab_size=6400)  # the tokenizer's ids
+    text = "the cat sat on the mat and 我们 学习 语言 with numbers 12 plus 7"
+    (tmp_path / "text.jsonl").write_text("".join(json.dumps({"text": f"{text} {i}"}, ensure_ascii=False) + "\n"
+                                                 for i in range(40)), encoding="utf-8")
+    flags = ["--device=cpu", "--dtype=float32", "--batch_size=2", "--steps=5", f"--data_path={tmp_path / 'text.jsonl'}"]
+    diagnose.main(["experts", f"--ckpt={tmp_path / 'moe.pt'}", *flags, f"--out_dir={tmp_path}"])
+    out = capsys.readouterr().out
+    (verdict,) = [line for line in out.splitlines() if line.startswith(("✓", "✗"))]
+    assert verdict.startswith("✓ no expert collapsed: every share within 6.25% .. 81.25%")
+    assert not [line for line in out.splitlines() if line.lstrip()[:1].isdigit() and "✗" in line]  # no share marked
+    cfg = diagnose.Config(batch_size=2, data_path=str(tmp_path / "text.jsonl"))
+    batches = the_batches(cfg, model, 5, state={})  # the checkpoint's tokenizer, the same batches
+    shares = diagnose.expert_shares(model, iter((X,) for X in batches).__next__, 5)
+    assert shares.tolist() == [pytest.approx(hand_count(batches).tolist())] * 2
+
+
+def test_experts_of_a_dense_checkpoint_is_one_clear_error(tmp_path):
+    model = tiny_model()
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config)}, tmp_path / "dense.pt")
+    with pytest.raises(CheckpointError, match=r"dense.pt is a dense model \(n_experts = 0\): it has no experts"):
+        diagnose.main(["experts", f"--ckpt={tmp_path / 'dense.pt'}", "--device=cpu", f"--out_dir={tmp_path}"])
+
+
 # --- the command line ---------------------------------------------------------------------------
 
 def test_command_line_reads_a_config_file_and_flags(tmp_path, capsys):
@@ -179,7 +261,7 @@ def run_script(*args) -> subprocess.CompletedProcess:
 def test_help_lists_the_commands_and_every_key_with_its_default(args):
     done = run_script(*args)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("usage: python diagnose.py {overfit|lr_find|data|activations|memory}")
+    assert done.stdout.startswith("usage: python diagnose.py {overfit|lr_find|data|activations|memory|experts}")
     listed = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  --")}
     assert {"--steps=100", "--lr=0.001", "--n_kv_heads=2"} <= listed  # diagnose's keys and the model's
     assert "val_fraction" in done.stdout.splitlines()[-1]  # the training keys it accepts and ignores
@@ -195,7 +277,8 @@ def test_a_user_mistake_is_one_error_line_and_exit_status_2(args, named):
 
 
 @pytest.mark.parametrize("args, named", [(["overfit", "--steps=many"], "'steps'"),
-                                         (["configs/demo.py"], "'configs/demo.py' is not a command")])
+                                         (["configs/demo.py"], "'configs/demo.py' is not a command"),
+                                         (["experts", "--device=cpu"], "needs --ckpt")])
 def test_a_wrong_value_or_a_missing_command_is_a_config_error(args, named):
     with pytest.raises(ConfigError, match=named):
         diagnose.main(args)
