@@ -30,6 +30,21 @@ def llama(path: Path) -> Llama:
                  type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
 
 
+def assert_same_greedy_tokens(model, llm, prompt: list[int], n: int = 16):
+    """llama.cpp's first n greedy tokens after prompt are nanomind's (recomputed, no cache)."""
+    with torch.no_grad():
+        expected = []
+        for _ in range(n):
+            expected.append(model(torch.tensor([prompt + expected]))[0][0, -1].argmax().item())
+    llm.reset()
+    got = []
+    for token in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
+        got.append(token)
+        if len(got) == n:
+            break
+    assert got == expected
+
+
 def export_random(shape: dict, tmp):
     """(nanomind's model, its tokenizer, the GGUF's path, llama.cpp's model of it): random weights of shape,
     MiniMind's tokenizer, float32."""
@@ -97,18 +112,7 @@ def test_llama_cpp_computes_nanomind_s_logits_and_greedy_tokens(exported):
     theirs = torch.from_numpy(llm.scores[: len(ids)].copy())
     ours = nanomind_logits(model, torch.tensor([ids]))[0]  # every position's
     assert (theirs - ours).abs().max() <= 2e-3
-    prompt = ids[:8]
-    with torch.no_grad():
-        expected = []
-        for _ in range(16):
-            expected.append(model(torch.tensor([prompt + expected]))[0][0, -1].argmax().item())
-    llm.reset()
-    got = []
-    for token in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
-        got.append(token)
-        if len(got) == 16:
-            break
-    assert got == expected
+    assert_same_greedy_tokens(model, llm, ids[:8])
 
 
 def test_a_tokenizer_llama_cpp_cannot_split_is_refused_and_nothing_written(tmp_path):

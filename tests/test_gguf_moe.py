@@ -14,7 +14,7 @@ from errors import ConfigError
 from gguf_export import gguf_name, halves_to_pairs, stack_experts
 from model import MoEFeedForward, yarn
 from test_export import MINIMIND_TOKENIZER, MIXED, TINY, nanomind_logits, random_checkpoint
-from test_gguf import export_random, llama
+from test_gguf import assert_same_greedy_tokens, export_random, llama
 from tokenizer import load_tokenizer
 
 MOE = TINY["untied_mha_qk_norm"] | dict(vocab_size=6400, n_experts=4, moe_ffn_dim=48)
@@ -88,18 +88,7 @@ def test_llama_cpp_computes_nanomind_s_logits_and_greedy_tokens(exported):
         kept = yarn(wavelengths, cfg)[0] * wavelengths  # 1 kept, 1 / factor interpolated, between on the ramp
         assert kept.max() == pytest.approx(1) and kept.min() == pytest.approx(1 / cfg.rope_factor)
         assert ((kept > 1 / cfg.rope_factor + 1e-3) & (kept < 1 - 1e-3)).any()
-    prompt = ids[:8]
-    with torch.no_grad():
-        expected = []
-        for _ in range(16):
-            expected.append(model(torch.tensor([prompt + expected]))[0][0, -1].argmax().item())
-    llm.reset()
-    got = []
-    for token in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
-        got.append(token)
-        if len(got) == 16:
-            break
-    assert got == expected
+    assert_same_greedy_tokens(model, llm, ids[:8])
 
 
 @pytest.mark.parametrize("model_config, key", [
