@@ -45,12 +45,13 @@ def checkpoint_to_resume(cfg) -> str | None:
 
 
 def prepare_training(cfg, model_cfg, stage: str, run: Run, model, loader, early):
-    """(optimizer, scaler, guard, checkpoints) for a built model: AdamW (over the trainable parameters: a LoRA
-    model's adapters), the GradScaler (enabled for float16 only: bfloat16 has float32's range), the non-finite
-    guard, and the checkpoints that save them all. First each rank gets a random stream of its own (dropout): the
+    """(optimizer, scaler, guard, checkpoints) for a built model: AdamW, or Muon and AdamW (over the trainable
+    parameters: a LoRA model's adapters), the GradScaler (enabled for float16 only: bfloat16 has float32's range),
+    the non-finite guard, and the checkpoints that save them all. First each rank gets a random stream of its own (dropout): the
     model was built alike on every rank."""
     seed_rank(cfg.seed, run)
-    optimizer = configure_optimizer(model, cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type)
+    optimizer = configure_optimizer(model, cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type,
+                                    cfg.optimizer, cfg.muon_lr, cfg.muon_momentum)
     scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")
     guard = NonFiniteGuard(model, cfg.max_bad_steps, run.device)
     lora = lora_record(cfg) if lora_layers(model) else None
@@ -106,6 +107,10 @@ class Checkpoints:
             raise CheckpointError(f"{path} trained its adapters on another {state['lora']['base']} than this "
                                   f"run's {self.lora['base']} (digest {state['lora']['base_digest']} vs "
                                   f"{self.lora['base_digest']})")
+        trained_with = state["config"].get("optimizer", "adamw")
+        if trained_with != self.cfg.optimizer:
+            raise CheckpointError(f"{path} was trained with optimizer {trained_with}, this run asks for "
+                                  f"{self.cfg.optimizer}: keep its optimizer to resume")
         load_model_state(self.parts["model"], state["model"], path, adapters_only=bool(self.lora))
         for key, part in self.parts.items():
             if key != "model":

@@ -18,6 +18,7 @@ import typing
 
 from errors import ConfigError
 from lora import TARGETS
+from optim import OPTIMIZERS
 from runtime import DTYPES
 
 
@@ -40,12 +41,15 @@ class TrainConfig:
     accum_steps: int = 1  # micro-batches per optimizer step
     max_steps: int | None = None  # None: `epochs` passes over the training data
     epochs: int = 1
-    # --- optimizer: AdamW, weight decay on matrices only
-    lr: float = 5e-4
+    # --- optimizer: AdamW, weight decay on matrices only; or Muon for the blocks' matrices, AdamW for the rest
+    optimizer: str = "adamw"  # adamw | muon
+    lr: float = 5e-4  # AdamW's peak
     min_lr: float = 1e-5
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1  # AdamW's matrices (with muon: the embedding and an untied head)
     beta1: float = 0.9
     beta2: float = 0.95
+    muon_lr: float = 0.02  # Muon's peak, on the same schedule (x min_lr / lr at its end)
+    muon_momentum: float = 0.95
     max_grad_norm: float = 1.0  # 0 disables clipping
     # --- schedule: linear warmup to lr, cosine decay to min_lr, stepped once per optimizer step
     warmup_steps: int = 1000
@@ -75,6 +79,11 @@ class TrainConfig:
                 raise ConfigError(f"config key {key!r} must be at least 1, got {getattr(self, key)}")
         if not 0 < self.val_fraction < 1:
             raise ConfigError(f"config key 'val_fraction' must be between 0 and 1, got {self.val_fraction}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"config key 'optimizer' must be {' or '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.optimizer == "muon" and not (self.lr > 0 and self.muon_lr > 0 and 0 <= self.muon_momentum < 1):
+            raise ConfigError(f"optimizer muon needs lr > 0, muon_lr > 0 and 0 <= muon_momentum < 1, got lr "
+                              f"{self.lr}, muon_lr {self.muon_lr}, muon_momentum {self.muon_momentum}")
         check_device_and_dtype(self.device, self.dtype)
 
 

@@ -44,12 +44,13 @@ def poisoned_model(bad_steps: set[int]):
     return Poisoned
 
 
-@pytest.mark.parametrize("flash", [True, False])
-def test_non_finite_steps_are_skipped_named_and_then_stop_the_run(demo_dir, tmp_path, capsys, monkeypatch, flash):
+@pytest.mark.parametrize("flash, optimizer", [(True, "adamw"), (False, "adamw"), (False, "muon")])
+def test_non_finite_steps_are_skipped_named_and_then_stop_the_run(demo_dir, tmp_path, capsys, monkeypatch, flash,
+                                                                  optimizer):
     monkeypatch.setattr(train_pretrain, "Transformer", poisoned_model({3, 5, 6, 7}))
     with pytest.raises(NonFiniteError, match="3 optimizer steps in a row"):
         pretrain(demo_dir, tmp_path, "--max_steps=20", "--max_bad_steps=3", "--save_interval=1", "--keep_checkpoints=100",
-                 f"--flash={flash}")
+                 f"--flash={flash}", f"--optimizer={optimizer}")
     out = capsys.readouterr().out
     assert "step 3: 1 update(s) skipped" in out and "step 5: 1 update(s) skipped" in out
     assert "first non-finite gradient in tok_embeddings.weight" in out
@@ -58,3 +59,7 @@ def test_non_finite_steps_are_skipped_named_and_then_stop_the_run(demo_dir, tmp_
     weights = {step: final_weights(tmp_path, step) for step in range(1, 7)}
     for before, after, changed in ((2, 3, False), (3, 4, True), (4, 5, False), (5, 6, False)):
         assert all(torch.equal(weights[before][k], weights[after][k]) for k in weights[before]) != changed
+    moments = [torch.load(tmp_path / f"step_000000{step}.pt", weights_only=False)["optimizer"]["state"]
+               for step in (2, 3)]  # a skipped step leaves AdamW's moments and Muon's momentum as they were
+    assert all(torch.equal(a, moments[1][i][key]) for i, s in moments[0].items() for key, a in s.items()
+               if torch.is_tensor(a))
