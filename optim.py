@@ -44,8 +44,8 @@ def uses_muon(name: str, p: torch.Tensor) -> bool:
     return p.dim() == 2 and re.search(r"(^|\.)layers\.\d+\.", name) is not None
 
 
-# nanochat's (Keller Jordan's) quintic: the slope at 0 as steep as it can be while the iteration still maps every
-# singular value in (0, 1] into roughly [0.7, 1.2] in 5 steps; exact 1s would take many more and train no better
+# nanochat's (Keller Jordan's) quintic: the slope at 0 as steep as it can be while 5 steps still map the singular
+# values within ~100x of the largest into roughly [0.7, 1.2]; exact 1s would take more steps and train no better
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
