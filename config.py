@@ -148,7 +148,7 @@ class SFTConfig(FinetuneConfig):
     # --- training length
     batch_size: int = 32  # per rank; batches pad to their longest conversation
     epochs: int = 10  # an upper bound: early stopping usually ends it sooner
-    # --- optimizer: AdamW, weight decay on matrices only
+    # --- optimizer: AdamW, weight decay on matrices only; or Muon for the blocks' matrices, AdamW for the rest
     lr: float = 2e-5
     min_lr: float = 2e-6
     weight_decay: float = 0.01
@@ -174,7 +174,7 @@ class DPOConfig(FinetuneConfig):
     # --- training length
     batch_size: int = 16  # pairs per rank; each step runs 2 x batch_size sequences
     epochs: int = 2
-    # --- optimizer: AdamW, weight decay on matrices only
+    # --- optimizer: AdamW, weight decay on matrices only; or Muon for the blocks' matrices, AdamW for the rest
     lr: float = 5e-6
     min_lr: float = 5e-7
     weight_decay: float = 0.0
@@ -204,7 +204,7 @@ class RewardConfig(FinetuneConfig):
     # --- training length
     batch_size: int = 16  # pairs per rank; each step runs 2 x batch_size sequences
     epochs: int = 1  # reward models overfit their pairs after one pass (Ouyang et al. 2022 train one epoch)
-    # --- optimizer: AdamW, weight decay on matrices only
+    # --- optimizer: AdamW, weight decay on matrices only; or Muon for the blocks' matrices, AdamW for the rest
     lr: float = 1e-5  # InstructGPT's 6B reward model took 9e-6: the body keeps what SFT taught it
     min_lr: float = 1e-6
     weight_decay: float = 0.0
@@ -257,7 +257,7 @@ class GRPOConfig(FinetuneConfig):
     # --- training length
     batch_size: int = 8  # prompts per rank and micro-batch; each step trains on batch_size x group_size completions
     epochs: int = 1
-    # --- optimizer: AdamW, weight decay on matrices only
+    # --- optimizer: AdamW, weight decay on matrices only; or Muon for the blocks' matrices, AdamW for the rest
     lr: float = 1e-6
     min_lr: float = 1e-7
     weight_decay: float = 0.0

@@ -94,7 +94,8 @@ def test_help_lists_every_key_with_its_default_and_comment_and_exits_0(script, l
 
 def test_help_groups_follow_the_dataclass_and_subclass_fields_join_their_group():
     docs = field_docs(SFTConfig)
-    assert docs["lr"] == ("optimizer: AdamW, weight decay on matrices only", "")
+    assert docs["lr"] == ("optimizer: AdamW, weight decay on matrices only; or Muon for the blocks' matrices, AdamW "
+                          "for the rest", "AdamW's peak")  # SFTConfig's lr has no comment: it keeps its base's
     assert docs["max_seq_len"][0] == "data" and docs["init_from"][0] == "I/O"
     assert docs["eval_interval"] == ("logging, evaluation, checkpoints", "and at every epoch end")
     text = help_text((SFTConfig,), set())
