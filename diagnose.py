@@ -33,6 +33,7 @@ from checkpoint import checkpoint_tokenizer, model_from_checkpoint  # noqa: E402
 from config import DPOConfig, PretrainConfig, SFTConfig, help_text, load_config  # noqa: E402
 from data import Loader, PretrainData, SFTData  # noqa: E402
 from errors import BadRecord, CheckpointError, ConfigError, cli  # noqa: E402
+from minhash import SHINGLE, DuplicateFinder, record_text, snippets  # noqa: E402
 from model import ATTENTION_TILE, ModelConfig, MoEFeedForward, Transformer  # noqa: E402
 from optim import set_lr  # noqa: E402
 from runtime import setup  # noqa: E402
@@ -52,6 +53,7 @@ class Config:
     kind: str = "pretrain"  # pretrain | sft: how data_path is read
     tokenizer_path: str | None = None  # None: the default, MiniMind's (tokenizer/minimind/)
     max_records: int | None = None  # data: read only the first this many records
+    near_dup_threshold: float = 0.8  # data: estimated Jaccard similarity of character 5-grams of a near duplicate
     # --- the checks (model keys: see ModelConfig)
     batch_size: int = 8
     steps: int = 100  # overfit: at most this many steps; lr_find: the length of the sweep; experts: batches
@@ -142,15 +144,19 @@ def plot_lr_find(lrs, losses, suggested: float, path: str):
 # -----------------------------------------------------------------------------
 # the data report
 
-def data_report(path: str, tokenizer, kind: str, max_seq_len: int, max_records: int | None = None) -> dict:
-    """Token lengths of whole records (<s> and </s> included), exact duplicates, records longer than one training
-    row (max_seq_len + 1 tokens: inputs plus the shifted target) and, for SFT, the share of the tokens training
-    sees (after its cut to max_seq_len) that carry loss. Unreadable records are counted, not fatal."""
+def data_report(path: str, tokenizer, kind: str, max_seq_len: int, max_records: int | None = None,
+                near_dup_threshold: float = 0.8) -> dict:
+    """Token lengths of whole records (<s> and </s> included), exact duplicates, near duplicates (the other records
+    dedup.py would remove at near_dup_threshold: minhash.py), records longer than one training row (max_seq_len + 1
+    tokens: inputs plus the shifted target) and, for SFT, the share of the tokens training sees (after its cut to
+    max_seq_len) that carry loss. Unreadable records are counted, not fatal."""
     lengths, seen, duplicates, bad = [], set(), 0, 0
     loss_tokens = train_tokens = no_loss = 0
     sample = None
+    field = "text" if kind == "pretrain" else "conversations"
+    finder, texts, linenos, copies = DuplicateFinder(near_dup_threshold), [], [], []
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        for lineno, line in enumerate(f, 1):
             if max_records is not None and len(lengths) + bad >= max_records:
                 break
             if not line.strip():
@@ -167,13 +173,19 @@ def data_report(path: str, tokenizer, kind: str, max_seq_len: int, max_records: 
                     arrays, _ = encode_sft(tokenizer, record, max_len=max_seq_len + 1)  # what training sees
                     cut, mask = arrays if arrays is not None else ([], [])  # None: no answer token fits
                     key = json.dumps([record.get("system"), record["conversations"]], ensure_ascii=False, sort_keys=True)
+                texts.append(record_text(record, field))
             except (json.JSONDecodeError, BadRecord):
                 bad += 1
                 continue
             digest = hashlib.blake2b(key.encode(), digest_size=16).digest()
-            duplicates += digest in seen
+            copies.append(digest in seen)
+            duplicates += copies[-1]
             seen.add(digest)
             lengths.append(len(ids))
+            linenos.append(lineno)
+            if len(texts) == 1024:  # batches: one numpy pass per thousand texts, not per text
+                finder.add(texts)
+                texts = []
             train_tokens += len(cut)
             loss_tokens += int(np.sum(mask))
             no_loss += len(cut) == 0
@@ -181,14 +193,37 @@ def data_report(path: str, tokenizer, kind: str, max_seq_len: int, max_records: 
                 sample = show_mask(tokenizer, list(cut[:48]), list(mask[:48]))
     if not lengths:
         raise BadRecord(f"{path}: no usable {kind} records ({bad} unreadable)")
+    finder.add(texts)
+    near = near_duplicates(path, field, finder.find(), np.array(copies, dtype=bool), linenos)
     a = np.array(lengths)
     report = {"records": len(a), "bad_records": bad, "tokens": int(a.sum()), "mean": float(a.mean()),
               "std": float(a.std()), "p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)),
               "max": int(a.max()), "duplicates": duplicates, "duplicate_rate": duplicates / len(a),
-              "over_max_seq_len": int((a > max_seq_len + 1).sum()), "lengths": lengths, "sample": sample}
+              "over_max_seq_len": int((a > max_seq_len + 1).sum()), "lengths": lengths, "sample": sample,
+              "near_dup_threshold": near_dup_threshold, "near_duplicates": near["count"],
+              "near_duplicate_rate": near["count"] / len(a), "near_examples": near["examples"]}
     if kind == "sft":
         report |= {"loss_token_fraction": loss_tokens / max(train_tokens, 1), "no_loss_records": no_loss}
     return report
+
+
+def near_duplicates(path: str, field: str, duplicates, copies: np.ndarray, linenos: list[int],
+                    n_examples: int = 3) -> dict:
+    """The records dedup.py would remove that are not exact copies (copies: counted apart; for SFT, a conversation
+    with another system prompt is not one) and up to n_examples of them as (similarity, line, the line of the
+    record it resembles, their two snippets), their texts read again from path."""
+    near = np.flatnonzero((duplicates.of >= 0) & ~copies)
+    pairs = [(int(i), int(duplicates.of[i])) for i in near[:n_examples]]
+    wanted, texts = {linenos[k] for pair in pairs for k in pair}, {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if len(texts) == len(wanted):
+                break
+            if lineno in wanted:
+                texts[lineno] = record_text(json.loads(line), field)
+    examples = [(float(duplicates.similarity[i]), linenos[i], linenos[j],
+                 snippets(texts[linenos[j]], texts[linenos[i]])) for i, j in pairs]
+    return {"count": len(near), "examples": examples}
 
 
 def print_data_report(r: dict, kind: str, max_seq_len: int):
@@ -197,7 +232,13 @@ def print_data_report(r: dict, kind: str, max_seq_len: int):
     if r["std"] > r["mean"]:
         print("✗ lengths vary more than their mean: consider bucketing, or cutting the longest")
     print(f"exact duplicates: {r['duplicates']:,} ({r['duplicate_rate']:.2%})"
-          + ("  ✗ over 1%: deduplicate" if r["duplicate_rate"] > 0.01 else ""))
+          + ("  ✗ over 1%: deduplicate (dedup.py)" if r["duplicate_rate"] > 0.01 else ""))
+    print(f"near duplicates (estimated Jaccard >= {r['near_dup_threshold']} of character {SHINGLE}-grams): "
+          f"{r['near_duplicates']:,} ({r['near_duplicate_rate']:.2%})"
+          + ("  ✗ over 1%: deduplicate (dedup.py)" if r["near_duplicate_rate"] > 0.01 else ""))
+    for similarity, line, first_line, (first_snippet, snippet) in r["near_examples"]:
+        print(f"  line {line} ~ line {first_line}, similarity {similarity:.2f}:\n"
+              f"    {first_snippet!r}\n    {snippet!r}")
     fate = "training cuts them, earliest turns first" if kind == "sft" else "they span several windows"
     print(f"longer than max_seq_len + 1 = {max_seq_len + 1} tokens: {r['over_max_seq_len']:,} ({fate})")
     if kind == "sft":
@@ -469,7 +510,7 @@ OVERFIT_CHECKLIST = """A model that cannot memorise one batch has a bug. Check:
 
 COMMANDS = {"overfit": "can the model memorise one batch? (one that cannot has a bug)",
             "lr_find": "loss against an exponentially growing lr: lr_find.png and a suggested lr",
-            "data": "lengths, duplicates and (kind=sft) the loss mask of data_path: lengths.png",
+            "data": "lengths, exact and near duplicates and (kind=sft) the loss mask of data_path: lengths.png",
             "activations": "NaN/Inf, dead or huge activations in one forward pass, and odd weights",
             "memory": "estimated against measured training memory",
             "experts": "the share of the tokens each expert of --ckpt takes, per layer, and collapsed experts"}
@@ -512,7 +553,7 @@ def report_data(cfg: Config, model_cfg: ModelConfig):
     if cfg.data_path is None:
         raise ConfigError("the data command needs --data_path")
     report = data_report(cfg.data_path, load_tokenizer(cfg.tokenizer_path), cfg.kind, model_cfg.max_seq_len,
-                         cfg.max_records)
+                         cfg.max_records, cfg.near_dup_threshold)
     print_data_report(report, cfg.kind, model_cfg.max_seq_len)
     plot_lengths(report["lengths"], model_cfg.max_seq_len, path := os.path.join(cfg.out_dir, "lengths.png"))
     print(f"wrote {path}")
@@ -528,6 +569,8 @@ def main(argv: list[str]):
     cfg, model_cfg = load_config(argv[1:], *SCHEMAS, ignored=TRAINING)
     if cfg.kind not in ("pretrain", "sft"):
         raise ConfigError(f"config key 'kind' must be pretrain or sft, got {cfg.kind!r}")
+    if not 0 < cfg.near_dup_threshold <= 1:
+        raise ConfigError(f"config key 'near_dup_threshold' must be in (0, 1], got {cfg.near_dup_threshold}")
     run = setup(cfg.device, cfg.dtype, cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
     if command == "data":

@@ -1,10 +1,11 @@
-"""diagnose.py: overfit and lr_find, the data report, activation checks that name a bad layer, a memory estimate
-equal to what autograd saves, experts' shares equal to a hand count with the collapsed ones named, and its command
-line."""
+"""diagnose.py: overfit and lr_find, the data report (near duplicates included), activation checks that name a bad
+layer, a memory estimate equal to what autograd saves, experts' shares equal to a hand count with the collapsed ones
+named, and its command line."""
 import dataclasses
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 
@@ -105,6 +106,23 @@ def test_data_report_for_sft_counts_loss_tokens_and_conversations_without_any(tm
     assert (r["records"], r["duplicates"], r["bad_records"], r["over_max_seq_len"], r["no_loss_records"]) == (5, 1, 1, 1, 1)
     assert 0 < r["loss_token_fraction"] < 0.5  # answers are short next to the template and prompts
     assert "✗" in r["sample"] and "✓" in r["sample"]
+
+
+def test_data_reports_near_duplicates_and_warns_over_one_percent(tmp_path, capsys):
+    rng = random.Random(0)
+    texts = [" ".join("".join(rng.choices("etaoinshrdlu", k=rng.randint(2, 7))) for _ in range(120)) for _ in range(60)]
+    edited = texts[7][:100] + "x" + texts[7][101:300] + "  " + texts[7][300:].replace(" ", "\n", 1)  # Jaccard 0.98
+    for name, lines in [("clean", texts), ("near", texts[:20] + [edited] + texts[20:])]:
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+        diagnose.main(["data", f"--data_path={path}", "--max_seq_len=64", "--device=cpu", f"--out_dir={tmp_path}"])
+        out = capsys.readouterr().out
+        (line,) = [s for s in out.splitlines() if s.startswith("near duplicates")]
+        if name == "clean":
+            assert ": 0 (0.00%)" in line and "✗" not in line
+        else:  # 1 of 61 records: 1.6%
+            assert ": 1 (1.64%)" in line and "✗ over 1%: deduplicate" in line
+            assert "line 21 ~ line 8, similarity" in out  # the copy, then the record it copies
 
 
 # --- activations --------------------------------------------------------------------------------
