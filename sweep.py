@@ -4,27 +4,27 @@ halving, each trial a short run of the real script.
 
     python sweep.py configs/demo.py --lr=3e-4:3e-2:log --trials=9 --halving=True --min_steps=50 --max_steps=450
     python sweep.py configs/demo.py --search=grid --lr=1e-3,3e-3,1e-2 --warmup_steps=0,30 --max_steps=300
-    python sweep.py configs/demo_sft.py --script=train_sft.py --lr=1e-4:1e-2:log --optimizer=adamw|muon
-    python sweep.py --help                         # sweep's keys, then the script's (--script=... --help: its)
+    python sweep.py configs/demo_sft.py --script=train_sft.py --lr=1e-4:1e-2:log --optimizer=adamw,muon
+    python sweep.py --help                         # sweep's keys, then the script's (with --script=...: that one's)
 
 A flag's value says what is searched: `a,b,c` or `a|b|c` lists values (grid: every combination, in the order
 given, the first key slowest; random: choices), `low:high` is a uniform range and `low:high:log` a log-uniform
 one (random search only; an int key draws ints), anything else is fixed for every trial. A key whose value is
-itself a comma list (data_path, lora_targets, reward, tools) keeps its commas: list its values with |. The keys and
-the values' types are checked against the script's config dataclasses before anything runs (a script of your own
-checks its own); a value that breaks one of the script's rules (optimizer=sgd) fails its trials.
+itself a comma list (data_path, lora_targets, reward, tools) keeps its commas: list its values with | (quoted in a
+shell). The keys and the values' types are checked against the script's config dataclasses before anything runs (a
+script of your own checks its own); a value that breaks one of the script's rules (optimizer=sgd) fails its trials.
 
 Every trial runs `python SCRIPT CONFIG --fixed... --values... --max_steps=... --out_dir=OUT/trials/ID` from the
 current directory, its console in stdout.txt and stderr.txt beside its metrics.jsonl. Its metric is the last row of
 that metrics.jsonl holding the metric's key: for val_loss, the evaluation every training script makes at its last
-step, i.e. the run's final model (not its best, which a short run's cosine makes the same). A trial that exits
-non-zero, or whose metric is missing or not finite, is failed (with its stderr's last line); the sweep goes on.
+step, i.e. the model the run ends with (a short run usually evaluates only there). A trial that exits non-zero, or
+whose metric is missing or not finite, is failed (with its stderr's last line); the sweep goes on.
 
 Successive halving (--halving=True): every trial runs min_steps; the best 1/eta of a rung by the metric (at least
 one) run eta times as many steps, and so on; the last rung runs max_steps (the config's or the flag's). A continued
 trial reruns from step 0 in a fresh out_dir: its learning-rate schedule spans its own budget (a resumed short run's
-cosine would already have decayed). Trials x rungs x min_steps steps in all, about (rungs / eta^(rungs-1)) of
-running every trial for max_steps.
+cosine would already have decayed). Each rung costs about trials x min_steps steps: with three rungs and eta 3, a
+third of running every trial for max_steps.
 
 OUT/results.jsonl is the record, a row per trial appended as it ends. A trial is identified by everything it runs
 with (the script, the config file's keys, the flags, its values and max_steps): running a sweep again skips the
@@ -490,7 +490,7 @@ def main(argv: list[str]) -> list[dict]:
     for rung, steps in enumerate(plan.budgets):
         trials = list({t.id: t for t in (make_trial(plan, v, steps, rung) for v in values)}.values())  # no repeats
         todo = [t for t in trials if t.id not in done]
-        print(f"rung {rung}: {len(trials)} trials" + (f" of {steps} steps" if steps else "") +
+        print(f"rung {rung}: {len(trials)} trial{'s' * (len(trials) != 1)}" + (f" of {steps} steps" if steps else "") +
               f", {len(trials) - len(todo)} of them recorded in {results} already", flush=True)
         try:
             run_trials(plan, todo, slots, record)
