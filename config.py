@@ -1,15 +1,18 @@
 """
 Every training stage's keys, and how a run gets them: the dataclass defaults <- a config file's `key = value`
 lines <- --key=value flags. An unknown key or a wrong type is a ConfigError that names the key and where it came
-from; --help lists every key with its default and its comment.
+from, a value out of its range (RANGES) one that names the key, the range and the value; --help lists every key
+with its default and its comment.
 
   TrainConfig      the keys every stage has; PretrainConfig and DistillConfig add theirs
   FinetuneConfig   SFT, DPO and RL: start from a checkpoint (init_from); SFTConfig, DPOConfig, GRPOConfig
+  RANGES           each key's valid values, checked when a config is built (model.MODEL_RANGES: the model's)
   load_config      argv -> one instance of each dataclass asked for (a script's and model.ModelConfig)
 """
 import ast
 import dataclasses
 import inspect
+import math
 import os
 import re
 import sys
@@ -72,18 +75,11 @@ class TrainConfig:
     peak_flops: float = 0.0  # per device, the MFU denominator; 0: measure a large matmul at startup
 
     def __post_init__(self):
-        positive = ("batch_size", "accum_steps", "epochs", "log_interval", "eval_interval", "eval_steps",
-                    "save_interval", "keep_checkpoints", "max_bad_steps")
-        for key in positive + ("max_steps",) * (self.max_steps is not None):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"config key {key!r} must be at least 1, got {getattr(self, key)}")
-        if not 0 < self.val_fraction < 1:
-            raise ConfigError(f"config key 'val_fraction' must be between 0 and 1, got {self.val_fraction}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"config key 'optimizer' must be {' or '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.optimizer == "muon" and not (self.lr > 0 and self.muon_lr > 0 and 0 <= self.muon_momentum < 1):
+            # before the ranges: this message names all three keys that Muon needs
             raise ConfigError(f"optimizer muon needs lr > 0, muon_lr > 0 and 0 <= muon_momentum < 1, got lr "
                               f"{self.lr}, muon_lr {self.muon_lr}, muon_momentum {self.muon_momentum}")
+        check_ranges(self)
         check_device_and_dtype(self.device, self.dtype)
 
 
@@ -123,8 +119,6 @@ class FinetuneConfig(TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.lora_rank < 0:
-            raise ConfigError(f"config key 'lora_rank' must be 0 (off) or more, got {self.lora_rank}")
         unknown = set(self.lora_targets.split(",")) - set(TARGETS)
         if unknown:
             raise ConfigError(f"config key 'lora_targets' names {sorted(unknown)}; choose from {','.join(TARGETS)}")
@@ -212,12 +206,6 @@ class RewardConfig(FinetuneConfig):
     warmup_steps: int = 0
     warmup_ratio: float | None = 0.03
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.lora_rank:  # a LoRA checkpoint saves its adapters only: the score head would be lost
-            raise ConfigError(f"config key 'lora_rank' must be 0: train_reward.py trains the whole model, got "
-                              f"{self.lora_rank}")
-
     def fit_lengths(self, max_seq_len: int) -> "RewardConfig":
         """This config with max_prompt_length and max_completion_length as set, or splitting the model's
         max_seq_len (init_from's): the reward model reads a pair's rows whole, their last token too."""
@@ -269,19 +257,6 @@ class GRPOConfig(FinetuneConfig):
     save_interval: int = 100
     early_stopping_patience: int = 10  # in evaluations without a higher val_reward
 
-    def __post_init__(self):
-        super().__post_init__()
-        for key, ok, rule in [
-                ("loss_type", self.loss_type in ("grpo", "cispo"), "grpo or cispo"),
-                ("group_size", self.group_size >= 2, "at least 2 (a group of one has no advantage)"),
-                ("temperature", self.temperature > 0, "above 0 (greedy completions of a prompt are all alike)"),
-                ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("max_new_tokens", self.max_new_tokens >= 1, "at least 1"),
-                ("clip_eps", 0 < self.clip_eps < 1, "in (0, 1)"), ("clip_high", self.clip_high >= 1, "at least 1"),
-                ("beta", self.beta >= 0, "0 or more"), ("ppo_epochs", self.ppo_epochs >= 1, "at least 1"),
-                ("max_turns", self.max_turns >= 1, "at least 1")]:
-            if not ok:
-                raise ConfigError(f"config key {key!r} must be {rule}, got {getattr(self, key)!r}")
-
     def fit_lengths(self, max_seq_len: int) -> "GRPOConfig":
         """This config with max_prompt_length set: what the model's max_seq_len leaves beside max_new_tokens."""
         prompt = self.max_prompt_length or max_seq_len - self.max_new_tokens
@@ -305,14 +280,79 @@ class DistillConfig(TrainConfig):
     alpha: float = 0.5  # weight of the teacher's soft targets; 0: plain cross-entropy training
     temperature: float = 2.0  # T: above 1 the teacher's distribution spreads, showing its ranking of unlikely tokens
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.data_kind not in ("pretrain", "sft"):
-            raise ConfigError(f"config key 'data_kind' must be pretrain or sft, got {self.data_kind!r}")
-        if not 0 <= self.alpha <= 1:
-            raise ConfigError(f"config key 'alpha' must be between 0 and 1, got {self.alpha}")
-        if self.temperature <= 0:
-            raise ConfigError(f"config key 'temperature' must be above 0, got {self.temperature}")
+
+# -----------------------------------------------------------------------------
+# the ranges: every key's valid values, checked as a config is built (load_config: one `error:` line naming the key)
+
+AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
+ABOVE_0 = (lambda v: v > 0, "above 0")
+NOT_NEGATIVE = (lambda v: v >= 0, "0 or more")
+FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")  # probabilities (dropout), momenta, shares of a run
+
+
+def zero_means(meaning: str):
+    """0 or more, where 0 switches something off: the rule says what."""
+    return lambda v: v >= 0, f"0 ({meaning}) or more"
+
+
+# each class's keys: key -> (test of its value, the rule as an error says it); a subclass inherits its bases' rules
+# and may replace one. None always passes: a key that may be None is annotated so, and check_type saw to that.
+RANGES = {
+    TrainConfig: {
+        "val_fraction": (lambda v: 0 < v < 1, "between 0 and 1"),
+        "batch_size": AT_LEAST_1, "accum_steps": AT_LEAST_1, "max_steps": AT_LEAST_1, "epochs": AT_LEAST_1,
+        "optimizer": (lambda v: v in OPTIMIZERS, " or ".join(OPTIMIZERS)),
+        "lr": zero_means("frozen weights"), "min_lr": NOT_NEGATIVE, "weight_decay": NOT_NEGATIVE,
+        "beta1": FRACTION, "beta2": FRACTION,
+        "muon_lr": ABOVE_0, "muon_momentum": FRACTION,
+        "max_grad_norm": zero_means("no clipping"),  # below 0 clip_grad_norm_ flips every gradient: ascent
+        "warmup_steps": NOT_NEGATIVE, "warmup_ratio": FRACTION,
+        "log_interval": AT_LEAST_1, "eval_interval": AT_LEAST_1, "eval_steps": AT_LEAST_1,
+        "save_interval": AT_LEAST_1, "keep_checkpoints": AT_LEAST_1, "grad_log_interval": zero_means("off"),
+        "seed": (lambda v: 0 <= v < 2**32, "0 to 2**32 - 1 (numpy's seeds)"),
+        "max_bad_steps": AT_LEAST_1, "peak_flops": zero_means("measure it"),
+    },
+    FinetuneConfig: {
+        "dropout": FRACTION,
+        "lora_rank": zero_means("off"), "lora_alpha": ABOVE_0, "lora_dropout": FRACTION,
+        "early_stopping_patience": AT_LEAST_1,  # 0 would stop at the first evaluation
+        "early_stopping_threshold": NOT_NEGATIVE,  # below 0 a worse val_loss would count as an improvement
+    },
+    SFTConfig: {"max_seq_len": AT_LEAST_1},
+    DPOConfig: {"max_prompt_length": AT_LEAST_1, "max_completion_length": AT_LEAST_1, "beta": ABOVE_0},
+    RewardConfig: {
+        "max_prompt_length": AT_LEAST_1, "max_completion_length": AT_LEAST_1,
+        # a LoRA checkpoint saves its adapters only: the score head would be lost
+        "lora_rank": (lambda v: v == 0, "0: train_reward.py trains the whole model"),
+    },
+    GRPOConfig: {
+        "max_prompt_length": AT_LEAST_1,
+        "group_size": (lambda v: v >= 2, "at least 2 (a group of one has no advantage)"),
+        "temperature": (lambda v: v > 0, "above 0 (greedy completions of a prompt are all alike)"),
+        "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "max_new_tokens": AT_LEAST_1, "max_turns": AT_LEAST_1,
+        "loss_type": (lambda v: v in ("grpo", "cispo"), "grpo or cispo"),
+        "clip_eps": (lambda v: 0 < v < 1, "in (0, 1)"), "clip_high": (lambda v: v >= 1, "at least 1"),
+        "beta": zero_means("no KL, no reference"), "ppo_epochs": AT_LEAST_1,
+    },
+    DistillConfig: {
+        "data_kind": (lambda v: v in ("pretrain", "sft"), "pretrain or sft"),
+        "alpha": (lambda v: 0 <= v <= 1, "in [0, 1]"), "temperature": ABOVE_0,
+    },
+}
+
+
+def check_ranges(config: TrainConfig):
+    """The first key of config outside its range (RANGES, then min_lr <= lr) as a ConfigError: key, rule, value.
+    A float must also be finite: a config file may say `lr = float("nan")`."""
+    rules = {key: rule for cls in reversed(type(config).__mro__) for key, rule in RANGES.get(cls, {}).items()}
+    for key, (ok, rule) in rules.items():
+        value = getattr(config, key)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"config key {key!r} must be a finite number, {rule}, got {value!r}")
+        if value is not None and not ok(value):
+            raise ConfigError(f"config key {key!r} must be {rule}, got {value!r}")
+    if config.min_lr > config.lr:  # the cosine would climb from lr to min_lr
+        raise ConfigError(f"config key 'min_lr' must be at most lr ({config.lr!r}), got {config.min_lr!r}")
 
 
 # -----------------------------------------------------------------------------

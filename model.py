@@ -51,6 +51,12 @@ class ModelConfig:
     grad_checkpoint: bool = False  # recompute each block in backward: less memory, more compute
 
     def __post_init__(self):
+        for key, (ok, rule) in MODEL_RANGES.items():
+            value = getattr(self, key)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"config key {key!r} must be a finite number, {rule}, got {value!r}")
+            if value is not None and not ok(value):  # None: an Optional key's default, worked out below
+                raise ValueError(f"config key {key!r} must be {rule}, got {value!r}")
         if self.head_dim is None:
             if self.dim % self.n_heads:
                 raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}), or set head_dim")
@@ -65,11 +71,31 @@ class ModelConfig:
             if not 1 <= self.experts_per_token <= self.n_experts:
                 raise ValueError(f"experts_per_token ({self.experts_per_token}) must be 1..n_experts ({self.n_experts})")
             self.moe_ffn_dim = self.moe_ffn_dim or self.ffn_dim
-        if self.rope_scaling not in (None, "yarn"):
-            raise ValueError(f"rope_scaling: {self.rope_scaling!r} is not one nanomind knows (None or 'yarn')")
 
     def uses_flash(self, device_type: str) -> bool:
         return self.flash if self.flash is not None else device_type == "cuda"
+
+
+AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
+ABOVE_0 = (lambda v: v > 0, "above 0")
+
+# ModelConfig's keys: key -> (test of its value, the rule as an error says it); None passes (the Optional keys).
+# The checks between keys (heads dividing dim, experts_per_token <= n_experts) follow in __post_init__.
+MODEL_RANGES = {
+    "dim": AT_LEAST_1, "n_layers": AT_LEAST_1, "n_heads": AT_LEAST_1, "n_kv_heads": AT_LEAST_1,
+    "vocab_size": AT_LEAST_1, "max_seq_len": AT_LEAST_1, "ffn_dim": AT_LEAST_1,
+    "rope_theta": (lambda v: v > 1, "above 1"),  # the base of the wavelengths: 1 gives every pair one frequency
+    "norm_eps": ABOVE_0,
+    "dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "head_dim": AT_LEAST_1,  # and even: checked below, also when it comes from dim / n_heads
+    "n_experts": (lambda v: v >= 0, "0 (dense) or more"), "experts_per_token": AT_LEAST_1, "moe_ffn_dim": AT_LEAST_1,
+    "router_aux_loss_coef": (lambda v: v >= 0, "0 or more"),
+    "rope_scaling": (lambda v: v == "yarn", "None or 'yarn'"),
+    "rope_factor": (lambda v: v >= 1, "at least 1"),  # YaRN stretches the context: below 1 would shrink it
+    "rope_original_max_len": AT_LEAST_1,
+    "rope_beta_fast": ABOVE_0, "rope_beta_slow": ABOVE_0,  # turns over the original length: their log is taken
+    "rope_attention_factor": ABOVE_0,
+}
 
 
 def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from errors import ConfigError
+
 
 def master_process() -> bool:
     return int(os.environ.get("RANK", 0)) == 0
@@ -113,6 +115,11 @@ def open_device(device: str, dtype: str) -> Run:
     """The device (auto: pick_device) made current and the dtype it runs well (auto: pick_dtype), for one
     process: what sampling, serving and evaluation need (setup() adds torchrun's ranks and the seeds)."""
     run = Run(torch.device(pick_device(device)), dtype)
+    if run.device.type == "cuda" and (run.device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+                          + ("" if torch.cuda.is_available() else " (this torch has no CUDA, or no GPU is visible)"))
+    if run.device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {device}: MPS is not available on this machine")
     if run.device.type == "cuda":
         if run.device.index is not None:  # before any other CUDA call: its context, events, the dtype query
             torch.cuda.set_device(run.device)

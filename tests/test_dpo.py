@@ -68,7 +68,7 @@ def test_sequence_logprobs_exclude_the_prompt_and_normalise_by_the_answer_length
 
 @pytest.mark.parametrize("flash", [False, True])  # the SFT checkpoint was saved with flash=None (math path on a CPU)
 def test_at_step_zero_the_loss_is_ln2_and_every_margin_is_zero(tiny_sft, demo_dir, tmp_path, flash):
-    dpo(tiny_sft, demo_dir, tmp_path, "--max_steps=1", "--lr=0", f"--flash={flash}")
+    dpo(tiny_sft, demo_dir, tmp_path, "--max_steps=1", "--lr=0", "--min_lr=0", f"--flash={flash}")
     (row,) = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert row["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert row["reward_margin"] == 0.0 and row["chosen_reward"] == 0.0 and row["reward_acc"] == 0.0
