@@ -12,6 +12,37 @@ from errors import BadRecord, DataError
 
 
 # -----------------------------------------------------------------------------
+# the shape of messages, whatever the template: checked here, where every reader of conversations comes through
+
+JSON_NAMES = {str: "a string", int: "a number", float: "a number", bool: "true/false", type(None): "null",
+              list: "a list", dict: "an object"}
+
+
+def json_type(value) -> str:
+    """What a parsed JSON value is, in JSON's words (for messages about a data file)."""
+    return JSON_NAMES.get(type(value), type(value).__name__)
+
+
+def check_messages(conversations) -> list[dict]:
+    """conversations, checked to be a non-empty list of objects, each with a string 'role' and, where given, a string
+    'content' and 'reasoning_content'; anything else is a BadRecord naming the message and the field. Which roles
+    and fields a template can show is the template's to check."""
+    if not isinstance(conversations, list) or not conversations:
+        raise BadRecord(f"'conversations' must be a non-empty list of {{role, content}} messages, got "
+                        f"{'an empty list' if conversations == [] else json_type(conversations)}")
+    for i, m in enumerate(conversations):
+        if not isinstance(m, dict):
+            raise BadRecord(f"message {i} must be an object {{role, content}}, got {json_type(m)}")
+        if not isinstance(m.get("role"), str):
+            raise BadRecord(f"message {i} has no 'role'" if m.get("role") is None else
+                            f"message {i}: 'role' must be a string, got {json_type(m['role'])}")
+        for key in ("content", "reasoning_content"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise BadRecord(f"message {i}: '{key}' must be a string, got {json_type(m[key])}")
+    return conversations
+
+
+# -----------------------------------------------------------------------------
 # "llama2" (nanomind's own tokenizers):
 #   <s>[INST] <<SYS>>\n{system}\n<</SYS>>\n\n{user} [/INST] {assistant} </s>   first turn, with a system prompt
 #   <s>[INST] {user} [/INST] {assistant} </s>                                  every other turn
@@ -19,12 +50,10 @@ from errors import BadRecord, DataError
 def chat_turns(conversations, system=None) -> tuple[str | None, list[tuple[str, str | None]]]:
     """Validate MiniMind-style messages -> (system, [(user, assistant), ...]). A leading {"role": "system"}
     message is the system prompt; the last turn's assistant is None when the messages end with the user."""
-    if not isinstance(conversations, list) or not conversations:
-        raise BadRecord("'conversations' must be a non-empty list of {role, content} messages")
-    for i, m in enumerate(conversations):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-            raise BadRecord(f"message {i} has unknown role {m.get('role') if isinstance(m, dict) else m!r}: the "
-                            "[INST] template has system, user and assistant only (MiniMind's ChatML one has tool)")
+    for i, m in enumerate(check_messages(conversations)):
+        if m["role"] not in ("system", "user", "assistant"):
+            raise BadRecord(f"message {i} has unknown role {m['role']!r}: the [INST] template has system, user and "
+                            "assistant only (MiniMind's ChatML one has tool)")
         extra = [k for k in ("reasoning_content", "tool_calls", "tools") if m.get(k)]
         if extra:
             raise BadRecord(f"message {i} has {extra[0]!r}, which the [INST] template cannot show "
@@ -95,31 +124,26 @@ def json_field(value, what: str):
     if isinstance(value, str):
         try:
             return json.loads(value)
-        except json.JSONDecodeError as e:
-            raise BadRecord(f"{what} is not valid JSON ({e})") from None
+        except (ValueError, RecursionError) as e:  # ValueError: bad JSON, or an integer of over 4300 digits
+            raise BadRecord(f"{what} is not valid JSON ({str(e)[:80]})") from None
     return value
 
 
 def chatml_messages(conversations, system=None, tools=None) -> tuple[list[dict], list | None]:
     """Validate MiniMind's message fields -> (messages with tool_calls parsed, tools or None). tools: given apart
     from the messages (as OpenAI's API and apply_chat_template take them), not also on the system message."""
-    if not isinstance(conversations, list) or not conversations:
-        raise BadRecord("'conversations' must be a non-empty list of messages")
+    check_messages(conversations)
     if system is not None:
-        if not isinstance(system, str) or conversations[0].get("role") == "system":
+        if not isinstance(system, str) or conversations[0]["role"] == "system":
             raise BadRecord("'system' must be a string, and not given beside a system message")
         conversations = [{"role": "system", "content": system}] + conversations
     if tools is not None and not isinstance(tools, list):
         raise BadRecord("'tools' must be a list of function descriptions")
     messages, given = [], tools
     for i, m in enumerate(conversations):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise BadRecord(f"message {i} has unknown role {m.get('role') if isinstance(m, dict) else m!r}: "
-                            "expected system, user, assistant or tool")
+        if m["role"] not in ("system", "user", "assistant", "tool"):
+            raise BadRecord(f"message {i} has unknown role {m['role']!r}: expected system, user, assistant or tool")
         role, m = m["role"], dict(m)
-        for key in ("content", "reasoning_content"):
-            if m.get(key) is not None and not isinstance(m[key], str):
-                raise BadRecord(f"message {i}: '{key}' must be a string")
         if m.get("tools"):
             if i != 0 or role != "system" or given:
                 raise BadRecord(f"message {i}: 'tools' belongs on the first message, a system message, once")

@@ -15,8 +15,8 @@ from collections import Counter
 import numpy as np
 import torch
 
-from chat import encode_chat, json_field
-from errors import BadRecord, DataError
+from chat import check_messages, encode_chat, json_field, json_type
+from errors import BadRecord, CheckpointError, DataError
 from token_cache import Records, expand_paths, held_out, load_split, parse_line, text_lines
 from tools import check_tools
 
@@ -141,10 +141,26 @@ class Loader:
         return batch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
+        return {"epoch": self.epoch, "pos": self.pos, "items": len(self.dataset), "batch": self.batch_size * self.world_size}
 
     def load_state_dict(self, state: dict):
-        self.epoch, self.pos = state["epoch"], state["pos"]
+        """The position of a checkpoint's run, on the same items; with another batch_size x ranks it is mapped onto
+        this run's batches (the same items in the same order), said so, or refused where it falls inside a batch."""
+        items, batch = state.get("items", len(self.dataset)), state.get("batch", self.batch_size * self.world_size)
+        if items != len(self.dataset):
+            raise CheckpointError(f"{self.name}: the checkpoint's run had {items:,}, this run has {len(self.dataset):,}: "
+                                  "resume on the data it trained on (data_path, val_data_path, val_fraction, "
+                                  "max_seq_len), or start a new run from it with init_from")
+        step, done = self.batch_size * self.world_size, state["pos"] * batch  # done: this epoch's items trained on
+        if done % step:
+            raise CheckpointError(f"{self.name}: the checkpoint's run took {batch} per batch (batch_size x ranks) and "
+                                  f"stopped {done:,} into epoch {state['epoch']}, which this run's {step} "
+                                  f"({self.batch_size} x {self.world_size} rank(s)) does not divide: resume with "
+                                  f"batch_size x ranks = {batch}")
+        if step != batch and self.rank == 0:
+            print(f"{self.name}: batches of {batch} before, {step} now (batch_size x ranks): resuming {done:,} into "
+                  f"epoch {state['epoch']}, at batch {done // step} of {len(self)}", flush=True)
+        self.epoch, self.pos = state["epoch"], done // step
 
 
 # -----------------------------------------------------------------------------
@@ -218,16 +234,22 @@ def read_prompts(data_path: str, tokenizer, max_prompt_length: int, need_referen
 
 
 def prompt_of(record: dict, tokenizer, max_prompt_length: int, need_reference: bool, where: str) -> Prompt:
-    conversations = record.get("conversations")
-    if not isinstance(conversations, list) or not conversations:
+    if "conversations" not in record:
         raise BadRecord("missing field 'conversations' (a list of messages)")
-    users = [i for i, m in enumerate(conversations) if isinstance(m, dict) and m.get("role") == "user"]
+    conversations = check_messages(record["conversations"])  # objects with string roles; the template checks the rest
+    users = [i for i, m in enumerate(conversations) if m["role"] == "user"]
     if not users:
         raise BadRecord("no user message: the prompt is the conversation up to its last user turn")
     messages = conversations[: users[-1] + 1]
-    if need_reference and record.get("answer", record.get("gt")) is None:
+    reference = record.get("answer", record.get("gt"))
+    if need_reference and reference is None:
         raise BadRecord("missing field 'answer' (or MiniMind's 'gt'): reward=answer compares the completion with it")
-    head = messages[:1] if messages[0].get("role") == "system" else []
+    values = reference if isinstance(reference, list) and reference else [reference]  # what answer_reward can compare
+    if need_reference and not all(isinstance(v, str) or type(v) in (int, float) and abs(v) < float("inf")
+                                  for v in values):
+        raise BadRecord(f"'answer' (or 'gt') must be a string, a finite number or a non-empty list of them, got "
+                        f"{json_type(reference)}")
+    head = messages[:1] if messages[0]["role"] == "system" else []
     if head and head[0].get("tools"):  # a tool-use prompt (agent RL): its tools must be descriptions a model can read
         try:
             check_tools(json_field(head[0]["tools"], "'tools'"), "'tools'")

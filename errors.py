@@ -39,6 +39,10 @@ class NonFiniteError(UserError, RuntimeError):
     """A run that diverged: too many non-finite steps in a row, or non-finite weights to save."""
 
 
+class DiskFullError(UserError, OSError):
+    """No space left (or over quota) where a file was being written; nothing already written was replaced."""
+
+
 def cli(main):
     """The entry point of a script: main(sys.argv[1:]), a UserError (or a missing file) as one line, exit 2."""
     try:

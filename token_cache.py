@@ -28,8 +28,9 @@ from collections import Counter, deque
 
 import numpy as np
 
-from chat import encode_chat
+from chat import encode_chat, json_type
 from errors import BadRecord, DataError
+from fileio import disk_full, full_disk_error
 
 
 # -----------------------------------------------------------------------------
@@ -38,16 +39,16 @@ from errors import BadRecord, DataError
 def encode_pretrain(tokenizer, record, max_len=None):
     text = record.get("text")
     if not isinstance(text, str):
-        raise BadRecord("missing field 'text'" if text is None else f"'text' must be a string, got {type(text).__name__}")
+        raise BadRecord("missing field 'text'" if text is None else f"'text' must be a string, got {json_type(text)}")
     return (np.array([tokenizer.bos_id] + tokenizer.encode(text) + [tokenizer.eos_id]),), []
 
 
 def encode_sft(tokenizer, record, max_len=None):
     if "conversations" not in record:
         raise BadRecord("missing field 'conversations'")
-    if record["conversations"] and record["conversations"][-1].get("role") != "assistant":
+    ids, mask = encode_chat(tokenizer, record["conversations"], record.get("system"), max_len)  # checks each message
+    if record["conversations"][-1]["role"] != "assistant":
         raise BadRecord("the last message must be the assistant's")
-    ids, mask = encode_chat(tokenizer, record["conversations"], record.get("system"), max_len)
     if not any(mask):  # the prompt alone fills max_len: nothing to learn, so no batch is ever all-masked
         return None, [f"skipped: no assistant token fits in {max_len} tokens"]
     end = len(mask) - mask[::-1].index(1)  # after the last answer token: ChatML's closing "\n" teaches nothing
@@ -59,15 +60,17 @@ def dpo_prompt_and_answers(record) -> tuple[list[dict], dict, dict]:
     """Both DPO formats -> (prompt messages, chosen assistant message, rejected assistant message)."""
     chosen, rejected = record.get("chosen"), record.get("rejected")
     if isinstance(chosen, list) and isinstance(rejected, list):
-        if not chosen or not rejected or chosen[:-1] != rejected[:-1]:
-            raise BadRecord("'chosen' and 'rejected' must be message lists sharing everything but the last message")
+        if len(chosen) < 2 or len(rejected) < 2 or chosen[:-1] != rejected[:-1]:
+            raise BadRecord("'chosen' and 'rejected' must be message lists sharing everything but the last message "
+                            "(the prompt, at least one message)")
         if any(not isinstance(m[-1], dict) or m[-1].get("role") != "assistant" for m in (chosen, rejected)):
             raise BadRecord("'chosen' and 'rejected' must end with an assistant message")
         return chosen[:-1], chosen[-1], rejected[-1]
     if "prompt" in record:
-        for name in ("chosen", "rejected"):
+        for name, what in (("prompt", "the prompt"), ("chosen", "the chosen answer"),
+                           ("rejected", "the rejected answer")):
             if not isinstance(record.get(name), str) or not record[name].strip():
-                raise BadRecord(f"the {name} answer must be a non-empty string")
+                raise BadRecord(f"{what} must be a non-empty string")
         return ([{"role": "user", "content": record["prompt"]}], {"role": "assistant", "content": chosen},
                 {"role": "assistant", "content": rejected})
     raise BadRecord("expected fields 'prompt', 'chosen', 'rejected' (strings) or 'chosen', 'rejected' (message lists)")
@@ -186,8 +189,12 @@ def parse_line(line: bytes) -> dict | None:
         record = json.loads(text)
     except json.JSONDecodeError as e:
         raise BadRecord(f"malformed JSON ({e.msg} at column {e.colno})") from None
+    except ValueError:  # valid JSON that Python will not turn into an int
+        raise BadRecord("a number of over 4300 digits") from None
+    except RecursionError:
+        raise BadRecord("JSON nested too deeply") from None
     if not isinstance(record, dict):
-        raise BadRecord(f"expected a JSON object, got {type(record).__name__}")
+        raise BadRecord(f"expected a JSON object, got {json_type(record)}")
     return record
 
 
@@ -319,14 +326,16 @@ def read_cache(path: str, key: str):
             if f.read(len(CACHE_MAGIC)) != CACHE_MAGIC:
                 return None
             n = int.from_bytes(f.read(8), "little")
+            if len(CACHE_MAGIC) + 8 + n > os.fstat(f.fileno()).st_size:  # a garbled length: never read 2**60 bytes
+                return None
             header = json.loads(f.read(n))
         start = -(-(len(CACHE_MAGIC) + 8 + n) // 64) * 64
-        if header["key"] != key:
+        if not isinstance(header, dict) or header.get("key") != key:
             return None
         arrays = {name: np.memmap(path, dtype=np.dtype(dt), mode="r", offset=start + off, shape=(n,))
                   for name, (dt, off, n) in header["layout"].items()}
         return arrays, header["info"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None
 
 
@@ -452,12 +461,17 @@ def file_records(path: str, tokenizer, kind: str, skip_bad: bool, processes: int
     key = json.dumps([CACHE_VERSION, kind, sorted(options.items()), skip_bad, tokenizer.fingerprint, file_digest(path)])
     cache = cache_path(path, kind)
     if read_cache(cache, key) is None:
-        os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
-        remove_dead_temps(cache)
-        if verbose:
-            print(f"tokenising {path} into {cache}{other_ranks_wait()}", file=sys.stderr, flush=True)
-        build_cache(path, cache, key, tokenizer, kind, options, skip_bad, processes or min(os.cpu_count() or 1, 8),
-                    chunk_bytes, verbose)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
+            remove_dead_temps(cache)
+            if verbose:
+                print(f"tokenising {path} into {cache}{other_ranks_wait()}", file=sys.stderr, flush=True)
+            build_cache(path, cache, key, tokenizer, kind, options, skip_bad,
+                        processes or min(os.cpu_count() or 1, 8), chunk_bytes, verbose)
+        except OSError as e:
+            if disk_full(e):  # build_cache has removed its temp files; the old cache (if any) was never touched
+                raise full_disk_error(cache) from None
+            raise
     arrays, info = read_cache(cache, key)
     arrays["offsets"] = arrays["offsets"].reshape(-1, len(ARRAYS[kind]))
     return arrays, info

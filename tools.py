@@ -24,6 +24,7 @@ import math
 import operator
 import os
 import re
+import traceback
 import zoneinfo
 
 from chat import tool_results_ids
@@ -165,22 +166,28 @@ def calculate(expression: str) -> int | float:
         raise ValueError("the expression is over 1000 characters")
     for written, python in WRITTEN.items():
         expression = expression.replace(written, python)
+    expression = expression.strip()
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        tree = ast.parse(expression, mode="eval")
     except (SyntaxError, RecursionError, MemoryError):
         raise ValueError(f"not an arithmetic expression: {expression!r}") from None
 
     def value(node):
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            if not abs(node.value) <= MAX_MAGNITUDE:  # 1e999 is inf (and inf - inf is nan): no answer, nor JSON
+                written = ast.get_source_segment(expression, node) or ""
+                raise ValueError(f"the number {written[:20]}{'...' * (len(written) > 20)} is too large (over 1e100)")
             return node.value
         if isinstance(node, ast.UnaryOp) and type(node.op) in SIGNS:
             return SIGNS[type(node.op)](value(node.operand))
         if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
             left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) * math.log2(max(abs(left), 2)) > 340:  # > 2**340
+            # |left ** right| = 2 ** (right * log2|left|): only that exponent tells a huge power (9**9**9, 0.5**-2000)
+            # from a tiny one (10**-400 is 0.0); 0 ** right is 0, 1 or a ZeroDivisionError
+            if isinstance(node.op, ast.Pow) and left != 0 and right * math.log2(abs(left)) > 340:  # > 2**340
                 raise ValueError("the result is too large")
             result = OPERATORS[type(node.op)](left, right)  # ZeroDivisionError is the caller's to report
-            if isinstance(result, complex) or abs(result) > MAX_MAGNITUDE:
+            if isinstance(result, complex) or not abs(result) <= MAX_MAGNITUDE:  # not <=: NaN too
                 raise ValueError("the result is too large or not a real number")
             return result
         raise ValueError(f"only numbers and + - * / // % ** are allowed, not {ast.unparse(node)!r}")
@@ -285,17 +292,46 @@ class Toolbox:
                 result = fn(**arguments)
             except Exception as e:  # the model's mistake (a bad argument): it reads the error and may try again
                 result = {"error": f"{type(e).__name__}: {e}"}
-        return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
+        if isinstance(result, str):
+            return result
+        try:  # strict JSON: NaN and Infinity are not JSON, and OpenAI clients' parsers refuse them
+            return json.dumps(result, ensure_ascii=False, allow_nan=False)
+        except ValueError as e:
+            why = "a number that is not finite (NaN or infinity)" if "Out of range float" in str(e) else str(e)
+        except (TypeError, RecursionError) as e:  # a set, an object, nested too deeply
+            why = str(e)
+        return json.dumps({"error": f"{name} returned what JSON cannot carry: {why}"}, ensure_ascii=False)
 
 
 def user_module(name: str):
-    """'path/to/file.py' or an importable 'package.module' -> the module (a user's tools or rewards)."""
-    if not name.endswith(".py"):
-        return importlib.import_module(name)
-    spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """'path/to/file.py' or an importable 'package.module' -> the module (a user's tools or rewards). One that is
+    not there is an ImportError or OSError; one that fails as it runs (a syntax error, any exception) is a
+    ConfigError naming the file and line where it failed."""
+    try:
+        if not name.endswith(".py"):
+            return importlib.import_module(name)
+        spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except Exception as e:
+        where = failed_at(e)
+        if where is None:  # nothing of the user's ran: the file or module is not there
+            raise
+        message = e.msg if isinstance(e, SyntaxError) else str(e)
+        raise ConfigError(f"importing {name} failed at {where}: {type(e).__name__}: {message}") from None
+
+
+def failed_at(e: Exception) -> str | None:
+    """'file:line' where the user's code raised e as it was imported (for a syntax error, the line it is on), or
+    None when no code of the user's ran."""
+    if isinstance(e, SyntaxError) and e.filename and e.lineno:
+        return f"{e.filename}:{e.lineno}"
+    machinery = os.path.dirname(importlib.__file__)
+    for frame in traceback.extract_tb(e.__traceback__):
+        if not frame.filename.startswith(("<", machinery)) and frame.filename != __file__:
+            return f"{frame.filename}:{frame.lineno}"
+    return None
 
 
 def load_toolbox(spec: str) -> Toolbox:
@@ -314,6 +350,8 @@ def load_toolbox(spec: str) -> Toolbox:
         module = user_module(spec)
     except (ImportError, OSError) as e:
         raise ConfigError(f"tools: cannot import {spec} ({e}); built-in tools are {', '.join(built_in)}") from None
+    except ConfigError as e:
+        raise ConfigError(f"tools: {e}") from None
     functions = getattr(module, "TOOLS", None)
     if functions is None:
         functions = [f for n, f in vars(module).items() if inspect.isfunction(f) and not n.startswith("_")

@@ -75,6 +75,6 @@ def test_evaluation_batches_cover_every_item_once_across_ranks_and_keep_the_posi
         loader = Loader(Items(), 4, pad_id=0, rank=rank, world_size=2)
         loader.next_batch()
         seen += [x for X, *_ in loader.batches(limit=100) for x in X[:, 0].tolist()]
-        assert loader.state_dict() == {"epoch": 0, "pos": 1}
+        assert loader.state_dict() == {"epoch": 0, "pos": 1, "items": 11, "batch": 8}
     assert sorted(seen) == list(range(11))
     assert sum(len(X) for X, *_ in Loader(Items(), 4, pad_id=0).batches(limit=2)) == 8

@@ -16,9 +16,10 @@ import pytest
 import demo_data
 import token_cache
 from chat import encode_chat
-from conftest import CONVERSATION, REPO, write_jsonl
+from conftest import CONVERSATION, REPO, TINY_MODEL, TINY_RUN, write_jsonl
 from data import DPOData, PretrainData, SFTData
 from errors import BadRecord, DataError
+from faults import run_on_small_disk
 from token_cache import tokenize_file
 from tokenizer import load_tokenizer
 
@@ -149,6 +150,33 @@ def test_a_half_written_cache_is_never_trusted(tok, tmp_path):
         f.write(data[: len(data) // 2])
     records = tokenize_file(path, tok, "pretrain", verbose=False)
     assert len(records) == 50 and os.path.getsize(cache) == len(data)
+
+
+def header_length(n: int):
+    return lambda data: data[:8] + n.to_bytes(8, "little") + data[16:]
+
+
+def header_json(text: bytes):
+    def garble(data):  # the header replaced by text, padded with spaces to its length
+        n = int.from_bytes(data[8:16], "little")
+        return data[:16] + text.ljust(n) + data[16 + n :]
+    return garble
+
+
+@pytest.mark.parametrize("garble", [header_length(2**60), header_length(2**64 - 1), header_length(0),
+                                    header_json(b"[]"), header_json(b'{"key": 1}'), header_json(b"\xff\xfe")],
+                         ids=["length_2**60", "length_2**64-1", "length_0", "a_list", "no_layout", "not_utf8"])
+def test_a_cache_with_a_garbled_header_is_rebuilt(tok, tmp_path, garble):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"text": f"hello world {i}"} for i in range(50)])
+    tokenize_file(path, tok, "pretrain", verbose=False)
+    cache = path + ".pretrain.cache"
+    good = open(cache, "rb").read()
+    with open(cache, "wb") as f:
+        f.write(garble(good))
+    records = tokenize_file(path, tok, "pretrain", verbose=False)
+    assert [records[i][0].tolist() for i in range(50)] == [
+        [tok.bos_id, *tok.encode(f"hello world {i}"), tok.eos_id] for i in range(50)]
+    assert open(cache, "rb").read() == good
 
 
 # --- files of real size ---------------------------------------------------------------------------
@@ -288,6 +316,50 @@ def test_a_killed_build_leaves_nothing_trusted_and_the_next_run_rebuilds(tok, tm
     assert f"tokenising {path} into" in capsys.readouterr().err  # rebuilt: what the killed run wrote is not used
     assert as_lists(records) == direct_encoding(path, tok)
     assert sorted(os.listdir(tmp_path)) == ["p.jsonl", "p.jsonl.pretrain.cache"]  # the dead build's temp files are gone
+
+
+# --- a full disk ----------------------------------------------------------------------------------
+
+def test_a_full_disk_while_caching_is_one_error_line_naming_the_cache_and_leaves_no_temp_file(tmp_path, pool):
+    """The data file on a small tmpfs: its first cache fits; then the file grows and its new cache does not, once
+    where the part files fit but the cache joined from them does not, once where the part files do not. Each run
+    of train_pretrain.py stops with one `error:` line naming the cache, leaves no temp file, and the first cache
+    is intact."""
+    mount, keep = tmp_path / "disk", tmp_path / "keep"
+    mount.mkdir()
+    keep.mkdir()
+    sizes = tmp_path / "sizes"  # the caches' sizes, measured on a disk with room
+    sizes.mkdir()
+    small = write_corpus(sizes / "small.jsonl", 0.02, pool, seed=1)
+    large = write_corpus(sizes / "large.jsonl", 0.6, pool, seed=2)
+    cached, tok = {}, load_tokenizer()  # train_pretrain.py's default tokenizer
+    for name in (small, large):
+        tokenize_file(name, tok, "pretrain", verbose=False)
+        cached[name] = os.path.getsize(name + ".pretrain.cache")
+    # large's parts (about its cache's size) fit beside it and small's cache, with half a cache to spare
+    disk = os.path.getsize(large) + cached[small] + cached[large] * 3 // 2
+    largest = write_corpus(sizes / "largest.jsonl", (disk - cached[small] - (64 << 10)) / 1e6, pool, seed=3)
+    train = " ".join(f"'{a}'" for a in [sys.executable, "train_pretrain.py", f"--data_path={mount}/p.jsonl",
+                                        *TINY_MODEL, *TINY_RUN, "--batch_size=4", "--max_steps=1"])
+    script = f"cd {REPO}\n"
+    for run, data in enumerate([small, large, largest]):
+        script += (f"cp {data} {mount}/p.jsonl\n"
+                   f"{train} --out_dir={keep}/out{run} > {keep}/{run}.out 2> {keep}/{run}.err\n"
+                   f"echo $? > {keep}/{run}.rc\n"
+                   f"ls -a {mount} > {keep}/{run}.listing\n"
+                   f"cp {mount}/p.jsonl.pretrain.cache {keep}/{run}.cache\n")
+    done = run_on_small_disk(script, mount, f"{disk // 1024}k", timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert (keep / "0.rc").read_text().strip() == "0", (keep / "0.err").read_text()[-3000:]
+    first = (keep / "0.cache").read_bytes()
+    for run in (1, 2):
+        rc, err = int((keep / f"{run}.rc").read_text()), (keep / f"{run}.err").read_text()
+        assert rc == 2 and "Traceback" not in err, err[-3000:]
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and errors[0].startswith(
+            f"error: no space left on the device to write {mount}/p.jsonl.pretrain.cache: nothing was replaced"), err
+        assert (keep / f"{run}.listing").read_text().split() == [".", "..", "p.jsonl", "p.jsonl.pretrain.cache"]
+        assert (keep / f"{run}.cache").read_bytes() == first  # the first cache, untouched
 
 
 # --- identical arrays -----------------------------------------------------------------------------

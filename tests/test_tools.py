@@ -1,13 +1,19 @@
 """tools.py: the calculator gives Python's own arithmetic and refuses anything else; replies are taken apart into
 think block, calls and the rest, broken calls counted; tool descriptions are checked and calls fitted to them; a
 toolbox runs calls, errors as {"error"}, from the built-in tools or a user's file of typed functions."""
+import dataclasses
 import json
+import re
 import textwrap
 
 import pytest
+import torch
 
 import tools
+from conftest import run_script
 from errors import ConfigError, DataError
+from model import ModelConfig, Transformer
+from tokenizer import load_tokenizer
 from tools import calculate, call_problem, call_text, check_tools, load_toolbox, parse_reply
 
 # -----------------------------------------------------------------------------
@@ -214,3 +220,98 @@ def test_a_users_tools_list_and_what_cannot_be_a_tool(tmp_path):
         load_toolbox(str(tmp_path / "missing.py"))
     with pytest.raises(ConfigError, match="not the functions given"):
         tools.Toolbox([tools.calculate_math], [described("other", x="string")])
+
+
+# -----------------------------------------------------------------------------
+# numbers JSON cannot carry, powers by the size of their result, a tools file that fails as it is imported
+
+def strict_json(text: str):
+    """json.loads as a strict client parses: NaN and Infinity are not JSON."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("expression", ["1e999", "-1e999", "1e999 - 1e999", "1e999 * 0", "0 * 1e400", "1e101",
+                                        "9" * 400 + " ** -1", "9" * 400 + " / 3"], ids=lambda e: e[:16])
+def test_numbers_too_large_or_not_finite_are_refused(expression):
+    with pytest.raises(ValueError, match="too large"):
+        calculate(expression)
+    result = strict_json(load_toolbox("calculate_math").run("calculate_math", {"expression": expression}))
+    assert list(result) == ["error"] and "too large" in result["error"]
+
+
+@pytest.mark.parametrize("expression", ["10 ** -400", "2 ** -1074", "2 ** -1075", "0.5 ** 2000", "10 ** -5",
+                                        "(-2) ** -3", "(-10) ** -401", "0.1 ** 400", "1 ** 1000000", "(-1) ** 1000001",
+                                        "0 ** 0", "0 ** 5", "10 ** 100", "2 ** 332", "1.5 ** -1000"])
+def test_a_power_is_refused_only_when_its_result_is_large(expression):
+    expected = eval(expression, {"__builtins__": {}})  # the oracle: Python on our own literal arithmetic
+    assert calculate(expression) == expected and abs(expected) <= tools.MAX_MAGNITUDE
+    assert strict_json(tools.Toolbox([tools.calculate_math]).run("calculate_math", {"expression": expression})) == \
+        {"result": expected}
+
+
+@pytest.mark.parametrize("expression", ["0.5 ** -2000", "(-0.5) ** -2001", "10 ** 400", "2 ** 333", "1.0000001 ** 1e20",
+                                        "0.001 ** -34", "9 ** 9 ** 9"])
+def test_a_power_whose_result_is_large_is_refused(expression):
+    with pytest.raises(ValueError, match="too large"):
+        calculate(expression)
+
+
+def test_zero_to_a_negative_power_is_a_division_by_zero_reported_as_ever():
+    for expression in ("0 ** -1", "0.0 ** -0.5", "(1 - 1) ** -2"):
+        with pytest.raises(ZeroDivisionError):
+            calculate(expression)
+    assert strict_json(load_toolbox("calculate_math").run("calculate_math", {"expression": "0 ** -1"})) == \
+        {"error": "ZeroDivisionError: 0.0 cannot be raised to a negative power"}
+
+
+def test_a_tool_result_json_cannot_carry_is_an_error_object_in_strict_json():
+    def nan() -> float:
+        return float("nan")
+
+    def infinite() -> dict:
+        return {"result": [1.0, float("-inf")]}
+
+    def a_set() -> dict:
+        return {"result": {1, 2}}
+
+    def fine() -> dict:
+        return {"result": 0.5, "text": "中文"}
+
+    toolbox = tools.Toolbox([nan, infinite, a_set, fine])
+    for name, why in [("nan", "not finite"), ("infinite", "not finite"), ("a_set", "set is not JSON serializable")]:
+        result = strict_json(toolbox.run(name, {}))
+        assert list(result) == ["error"] and name in result["error"] and why in result["error"]
+    assert toolbox.run("fine", {}) == '{"result": 0.5, "text": "中文"}'
+
+
+@pytest.mark.parametrize("source, line, error", [
+    ("def f(x: int):\n    return x\n\ndef g(:\n    pass\n", 4, "SyntaxError"),
+    ("import os\nVALUE = undefined_name\n", 2, "NameError: name 'undefined_name' is not defined"),
+    ("import os\nimport no_such_module_here\n", 2, "ModuleNotFoundError: No module named 'no_such_module_here'"),
+    ("x = 1\nraise RuntimeError('not configured')\n", 2, "RuntimeError: not configured")],
+    ids=["syntax", "name", "import", "raise"])
+def test_a_tools_file_that_fails_as_it_is_imported_is_a_config_error_naming_file_and_line(tmp_path, source, line,
+                                                                                          error):
+    path = tmp_path / "my_tools.py"
+    path.write_text(source, encoding="utf-8")
+    with pytest.raises(ConfigError, match=re.escape(f"tools: importing {path} failed at {path}:{line}: {error}")):
+        load_toolbox(str(path))
+
+
+def test_sample_with_a_tools_file_that_does_not_parse_is_one_error_line(tmp_path):
+    tok = load_tokenizer()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=512,
+                                    vocab_size=tok.vocab_size))
+    ckpt = tmp_path / "chat.pt"
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "stage": "sft",
+                "config": {"tokenizer_path": None}, "tokenizer": {"fingerprint": tok.fingerprint}}, ckpt)
+    broken = tmp_path / "broken_tools.py"
+    broken.write_text("def add(a: int, b: int):\n    return a + b\n\ndef oops(\n", encoding="utf-8")
+    result = run_script("sample.py", f"--ckpt={ckpt}", f"--tools={broken}", "--prompt=hi", "--device=cpu",
+                        "--max_new_tokens=2")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        f"error: tools: importing {broken} failed at {broken}:4: SyntaxError: '(' was never closed"]

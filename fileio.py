@@ -1,0 +1,70 @@
+"""
+Writing files so that neither a crash nor a full disk costs what is already there.
+
+  atomic_write(path)   write path.tmp, fsync, rename over path: a reader (or a resume) sees the old file or the
+                       complete new one; on any failure the temp file is removed and path is left as it was
+  append_line(path)    one line at the end of a log (metrics.jsonl): what it held stays
+  disk_full(e)         whether an exception comes from a full disk (or a quota), however deep torch wrapped it
+A full disk is a DiskFullError naming the file: one `error:` line, not a traceback.
+"""
+import errno
+import os
+from contextlib import contextmanager, suppress
+
+from errors import DiskFullError
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_full(e: BaseException | None) -> bool:
+    """True if e, or an exception it was raised from or during (torch wraps the OSError of a write), is a full
+    disk."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in NO_SPACE:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def full_disk_error(path: str) -> DiskFullError:
+    return DiskFullError(f"no space left on the device to write {path}: nothing was replaced (the previous file, "
+                         f"if any, is intact); free some space and run again")
+
+
+@contextmanager
+def atomic_write(path: str, mode: str = "wb", **open_args):
+    """with atomic_write(path) as f: ... -- f is path.tmp, renamed over path once written and fsynced."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, mode, **open_args) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with suppress(OSError):
+            os.remove(tmp)
+        if disk_full(e):
+            raise full_disk_error(path) from None
+        raise
+    fsync_dir(path)
+
+
+def fsync_dir(path: str):
+    """Make a rename into path's directory durable."""
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def append_line(path: str, line: str):
+    """Append one line (a newline is added) to a text file; a full disk is a DiskFullError."""
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    except OSError as e:
+        if disk_full(e):
+            raise full_disk_error(path) from None
+        raise
