@@ -7,17 +7,21 @@ Checkpoints: what a run saves and how anything loads it back.
   model_from_checkpoint, load_model   a checkpoint's model (LoRA adapters merged onto their base) and tokenizer
   finetune_model     SFT's and DPO's starting model, with this run's switches (and LoRA adapters)
 """
+import contextlib
 import dataclasses
 import functools
 import glob
 import os
+import pickle
 import random
+import re
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from errors import CheckpointError, ConfigError, NonFiniteError, TokenizerError
+from fileio import atomic_write
 from lora import adapter_state, add_lora, lora_layers, merge_lora, trainable_params
 from model import ModelConfig, Transformer
 from optim import NonFiniteGuard, configure_optimizer
@@ -29,19 +33,38 @@ from tokenizer import NANOMIND_DIR, load_tokenizer
 # -----------------------------------------------------------------------------
 # a run's checkpoints: everything an exact resume needs
 
-def latest_checkpoint(out_dir: str) -> str | None:
-    paths = sorted(glob.glob(os.path.join(out_dir, "step_*.pt")))
-    return paths[-1] if paths else None
+def step_checkpoints(out_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(out_dir, "step_*.pt")))
+
+
+def newest_checkpoint(out_dir: str) -> str | None:
+    """The checkpoint of out_dir at the latest step: the newest step_*.pt, or best.pt when an evaluation saved it
+    after that (evaluations usually come more often than step checkpoints). A tie goes to the step checkpoint."""
+    steps, best = step_checkpoints(out_dir), os.path.join(out_dir, "best.pt")
+    if not os.path.exists(best):
+        return steps[-1] if steps else None
+    if steps and int(os.path.basename(steps[-1])[5:-3]) >= load_checkpoint(best, mmap=True)["step"]:
+        return steps[-1]
+    return best
 
 
 def checkpoint_to_resume(cfg) -> str | None:
-    """Create out_dir; the checkpoint to resume from with --resume=True, None for a fresh run. A fresh run
-    refuses an out_dir that holds checkpoints: nothing already written is overwritten."""
+    """Create out_dir; the checkpoint to resume from with --resume=True (newest_checkpoint), None for a fresh run.
+    A fresh run refuses an out_dir that holds checkpoints: nothing already written is overwritten."""
     os.makedirs(cfg.out_dir, exist_ok=True)
-    latest = latest_checkpoint(cfg.out_dir)
-    if latest and not cfg.resume:
-        raise ConfigError(f"{cfg.out_dir} already holds checkpoints: pass --resume=True to continue, or another out_dir")
-    return latest if cfg.resume else None
+    for tmp in glob.glob(os.path.join(glob.escape(cfg.out_dir), "*.pt.tmp")):
+        with contextlib.suppress(FileNotFoundError):  # another rank may have removed it
+            os.remove(tmp)  # a save that a kill cut short: never read, and as large as a checkpoint
+    held = [os.path.basename(p) for p in step_checkpoints(cfg.out_dir)]
+    held += ["best.pt"] * os.path.exists(os.path.join(cfg.out_dir, "best.pt"))
+    if not cfg.resume:
+        if held:
+            raise ConfigError(f"{cfg.out_dir} already holds checkpoints ({', '.join(held)}): pass --resume=True to "
+                              f"continue from the newest, or start over in another out_dir (or after moving them away)")
+        return None
+    if not held:
+        print0(f"resume: {cfg.out_dir} holds no checkpoint yet, starting at step 0")
+    return newest_checkpoint(cfg.out_dir)
 
 
 def prepare_training(cfg, model_cfg, stage: str, run: Run, model, loader, early):
@@ -91,7 +114,7 @@ class Checkpoints:
             raise NonFiniteError("refusing to save a model with non-finite weights")
         atomic_save(state, os.path.join(self.cfg.out_dir, name))
         if name.startswith("step_"):
-            for old in sorted(glob.glob(os.path.join(self.cfg.out_dir, "step_*.pt")))[: -self.cfg.keep_checkpoints]:
+            for old in step_checkpoints(self.cfg.out_dir)[: -self.cfg.keep_checkpoints]:
                 os.remove(old)
 
     def resume(self, path: str | None) -> int:
@@ -153,13 +176,16 @@ class EarlyStopping:
 
 
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    """Every generator's state as tensors, numbers and strings: loadable with weights_only."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (kind, keys.tolist(), pos, has_gauss, gauss),
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
 def set_rng_state(state: dict):
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -185,32 +211,55 @@ def rank_weight_diff(model, run: Run) -> float:
 
 
 def atomic_save(obj, path: str):
-    """torch.save to a temp file, fsync, rename: a crash leaves the old file or the new one, never half."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
+    """torch.save to a temp file, fsync, rename: a crash leaves the old file or the new one, never half; a full disk
+    leaves the old one and no temp file (fileio.atomic_write)."""
+    with atomic_write(path) as f:
         torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)  # make the rename itself durable
-    finally:
-        os.close(fd)
 
 
 # -----------------------------------------------------------------------------
 # loading a checkpoint's model and tokenizer
 
-def load_checkpoint(path: str) -> dict:
+# checkpoints saved before the RNG states were lists hold numpy's generator key as an array; rebuilding an array
+# runs no code, so these may be unpickled too
+NUMPY_ARRAYS = [(getattr(np, "_core", None) or np.core).multiarray._reconstruct, np.ndarray, np.dtype,
+                type(np.dtype(np.uint32))]
+
+
+def load_tensors(path: str, mmap: bool = False):
+    """torch.load with weights_only: tensors, plain containers, numbers and strings only, so nothing in a file
+    someone shared can run. A file that needs more is refused (a CheckpointError naming what it holds)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(NUMPY_ARRAYS):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint not found: {path}") from None
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        if found:
+            raise CheckpointError(f"{path} holds a Python object ({found[1]}), not only tensors, numbers and strings: "
+                                  "refused, and nothing in it was run (a checkpoint is loaded with weights_only)") from None
+        raise CheckpointError(unreadable(path, e)) from None
     except Exception as e:  # truncated or garbled: torch raises several kinds
-        others = sorted(set(glob.glob(os.path.join(os.path.dirname(path) or ".", "*.pt"))) - {path})
-        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e}); "
-                              f"other checkpoints there: {others or 'none'}") from None
+        raise CheckpointError(unreadable(path, e)) from None
+
+
+def unreadable(path: str, e: Exception) -> str:
+    others = sorted(set(glob.glob(os.path.join(os.path.dirname(path) or ".", "*.pt"))) - {path})
+    return f"{path} is not a readable checkpoint ({type(e).__name__}: {e}); other checkpoints there: {others or 'none'}"
+
+
+def load_checkpoint(path: str, mmap: bool = False) -> dict:
+    """A checkpoint a nanomind run saved (Checkpoints.save), loaded with weights_only; anything else is refused in
+    one line. mmap: tensors stay on disk until touched (to read a checkpoint's step or config)."""
+    state = load_tensors(path, mmap)
+    if not isinstance(state, dict) or not {"model", "model_config"} <= state.keys():
+        what = (f"a dict of {len(state)} entries ({', '.join(map(str, list(state)[:3]))}{', ...' * (len(state) > 3)})"
+                if isinstance(state, dict) else f"a {type(state).__name__}")
+        raise CheckpointError(f"{path} is not a nanomind checkpoint: it holds {what}, not the 'model' and "
+                              "'model_config' a training run saves (MiniMind .pth files and Hugging Face folders come "
+                              "in by convert.py import)")
+    return state
 
 
 def load_model_state(model, state_dict: dict, source: str, adapters_only: bool = False):

@@ -10,7 +10,6 @@ IN is read twice and never written: first for the records' signatures (a few hun
 never the texts), then to copy the kept lines byte for byte into a temp file that replaces OUT once complete.
 `python dedup.py --help` lists every key.
 """
-import contextlib
 import dataclasses
 import os
 import time
@@ -19,6 +18,7 @@ import numpy as np
 
 from config import help_text, load_config
 from errors import BadRecord, ConfigError, DataError, cli
+from fileio import atomic_write
 from minhash import SHINGLE, DuplicateFinder, record_text, snippets
 from token_cache import parse_line
 
@@ -61,36 +61,23 @@ def find_duplicates(path: str, cfg: Config):
 
 def write_kept(in_path: str, out_path: str, cfg: Config, duplicates, shown: set[int],
                before: os.stat_result) -> dict[int, tuple[int, str]]:
-    """Copy the kept lines to a temp file beside OUT, fsync, rename over OUT (then fsync the directory): a crash
-    or an error leaves the old OUT or the complete new one, never part of one. IN must be as it was (`before`,
+    """Copy the kept lines to OUT atomically (fileio.atomic_write): a crash, a full disk or an error leaves the old
+    OUT or the complete new one, never part of one. IN must be as it was (`before`,
     its stat when the first pass began). Returns {record: (line, text)} of the records in shown."""
     of = duplicates.of
-    tmp = f"{out_path}.tmp{os.getpid()}"
     texts, n = {}, 0
     changed = DataError(f"{in_path} changed while dedup read it; {out_path} is left as it was")
-    try:
-        with open(tmp, "wb") as f:
-            for n, (lineno, line, text) in enumerate(records(in_path, cfg.field), 1):
-                if n > len(of):
-                    raise changed
-                if n - 1 in shown:
-                    texts[n - 1] = (lineno, text)
-                if of[n - 1] < 0:
-                    f.write(line if line.endswith(b"\n") else line + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
+    with atomic_write(out_path) as f:
+        for n, (lineno, line, text) in enumerate(records(in_path, cfg.field), 1):
+            if n > len(of):
+                raise changed
+            if n - 1 in shown:
+                texts[n - 1] = (lineno, text)
+            if of[n - 1] < 0:
+                f.write(line if line.endswith(b"\n") else line + b"\n")
         after = os.stat(in_path)
         if n != len(of) or (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
             raise changed
-        os.replace(tmp, out_path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-    fd = os.open(os.path.dirname(os.path.abspath(out_path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)  # make the rename itself durable
-    finally:
-        os.close(fd)
     return texts
 
 

@@ -46,7 +46,8 @@ from engine import GREEDY, Sampling, complete
 from errors import BadRecord, ConfigError, DataError, cli
 from grpo import completion_texts, prompt_seed, rollout
 from losses import count_token_bytes, lm_totals, sequence_logprobs
-from metrics import parse_row
+from fileio import atomic_write
+from metrics import read_metrics
 from rewards import answer_reward, reference
 from reward_model import bradley_terry_loss, reward_model_from_checkpoint, score_ids
 from runtime import setup
@@ -694,8 +695,7 @@ def training_summary(state: dict, metrics_path: str) -> dict:
     summary = {"stage": stage, "checkpoint_step": step, "ranks": ranks} | seen
     if not os.path.exists(metrics_path):
         return summary | {"metrics": f"no {metrics_path}"}
-    with open(metrics_path, encoding="utf-8") as f:
-        rows = [r for line in f if (r := parse_row(line))]
+    rows = read_metrics(metrics_path)
     val = [r for r in rows if "val_loss" in r]
     wall, last = 0.0, 0.0  # elapsed_s restarts at a resume: add up the stretches
     for r in rows:
@@ -730,16 +730,12 @@ def write_report(cfg: EvalConfig, state: dict, key: str, section: dict) -> str:
                "config": state["config"], "training": training_summary(state, os.path.join(run_dir, "metrics.jsonl")),
                "plots": [os.path.relpath(p, out) for p in sorted(glob.glob(os.path.join(plots_dir, "*.png")))]}
     report["sections"][key] = section
-    atomic_write(path, json.dumps(report, indent=1, ensure_ascii=False) + "\n")
-    atomic_write(os.path.join(out, "report.md"), render(report))
+    for where, text in [(path, json.dumps(report, indent=1, ensure_ascii=False) + "\n"),
+                        (os.path.join(out, "report.md"), render(report))]:
+        with atomic_write(where, "w", encoding="utf-8") as f:
+            f.write(text)
     print(f"report: {os.path.join(out, 'report.md')}")
     return os.path.join(out, "report.md")
-
-
-def atomic_write(path: str, text: str):
-    with open(f"{path}.tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(f"{path}.tmp", path)
 
 
 def render(report: dict) -> str:

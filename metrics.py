@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
+from fileio import append_line
 from runtime import Run, all_reduce_mean, print0, synchronize
 
 
@@ -126,26 +127,43 @@ def console_line(row: dict, max_steps: int) -> str:
 def parse_row(line: str) -> dict | None:
     """A metrics.jsonl row; None for a blank line or one a crash cut short (the last line of a killed run)."""
     try:
-        return json.loads(line) if line.strip() else None
+        row = json.loads(line) if line.strip() else None
     except json.JSONDecodeError:
         return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The rows of a metrics.jsonl (or of the one in a run directory) that describe the run as it went on: a
+    restart row {"step": N, "restart": ...} drops the rows before it of steps the restarted run writes again (after
+    N when it resumed at N; all of them when it started over at 0). Works while a run is still writing the file."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for row in filter(None, map(parse_row, f)):
+            if "restart" in row:
+                rows = [r for r in rows if r["step"] < row["step"] or r["step"] == row["step"] > 0]
+            else:
+                rows.append(row)
+    return rows
 
 
 class MetricsLog:
     """out_dir/metrics.jsonl, one JSON row per log step and per evaluation, and a short line on the console.
-    Rank 0 writes. On resume, rows after the checkpoint's step are dropped: the run writes them again."""
+    Rank 0 writes, and only ever appends: a run that resumes at step N (or starts over at 0) in a folder that has
+    rows adds a restart row, and read_metrics drops the rows it supersedes."""
 
     def __init__(self, cfg, run: Run, start_step: int, max_steps: int):
         self.path, self.run, self.max_steps, self.wandb = os.path.join(cfg.out_dir, "metrics.jsonl"), run, max_steps, None
         if not run.master:
             return
-        kept = []
-        if start_step and os.path.exists(self.path):
-            with open(self.path, encoding="utf-8") as f:
-                kept = [line for line in f if (row := parse_row(line)) and row["step"] <= start_step]
-        with open(f"{self.path}.tmp", "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(f"{self.path}.tmp", self.path)
+        if os.path.exists(self.path) and os.path.getsize(self.path):
+            with open(self.path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                cut = f.read(1) != b"\n"  # a crash or a full disk ended the last row midway: end it, parse_row skips it
+            append_line(self.path, ("\n" if cut else "") + json.dumps({"step": start_step, "restart": "resumed" if
+                                                                       start_step else "started over"}))
         if cfg.wandb:
             import wandb  # optional: only when asked for
 
@@ -160,8 +178,7 @@ class MetricsLog:
     def write(self, row: dict, echo: bool = True):
         if not self.run.master:
             return
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        append_line(self.path, json.dumps(row))
         if self.wandb is not None:
             self.wandb.log(row, step=row["step"])
         if echo:

@@ -11,7 +11,6 @@ not fall, overfitting, oscillation, exploding or vanishing gradients, a stuck DP
 nothing), each with likely causes and remedies. An RL loss is no progress measure: its rules watch the rewards.
 """
 import argparse
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -22,24 +21,9 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from metrics import read_metrics  # noqa: E402
+
 PANEL_W, PANEL_H, DPI, COLUMNS = 5.0, 3.5, 100, 3  # training.png is COLUMNS panels wide, 100 px per inch
-
-
-def read_metrics(path: str) -> list[dict]:
-    """The rows of a metrics.jsonl, or of the one in a run directory. A line that does not parse (the last one,
-    half written by a running job) is skipped. NaN/Infinity, as json.dumps writes them, read back as floats."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "metrics.jsonl")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
-                rows.append(row)
-    return rows
 
 
 def run_name(path: str) -> str:

@@ -202,10 +202,14 @@ def synchronize(device: torch.device):
 
 
 class StopSignal:
-    """SIGINT/SIGTERM set a flag; the loop checks it between optimizer steps, saves and exits."""
+    """SIGINT/SIGTERM set a flag; the loop asks after every optimizer step and, once it is set, saves and exits:
+    within one step on one process, two under DDP. The ranks must leave together, so each step's flag rides on a
+    collective the step makes anyway (vote() joins the loss's all-reduce); on CUDA requested() reads the step
+    before's result, which is on the host by then: no extra collective and no wait for the GPU."""
 
-    def __init__(self):
-        self.received = False
+    def __init__(self, run: Run):
+        self.run, self.received, self.step = run, False, 0
+        self.pending = None  # CUDA under DDP: (the votes copied to the host, the event that says they are there)
         self.previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def restore(self):
@@ -217,16 +221,31 @@ class StopSignal:
         if self.received:  # a second Ctrl-C: the user means it
             raise KeyboardInterrupt
         self.received = True
-        print(f"\nreceived signal {signum}: saving a checkpoint after this step, then exiting", file=sys.stderr, flush=True)
+        print(f"\nreceived signal {signum} during step {self.step + 1}: saving a checkpoint after it, then exiting",
+              file=sys.stderr, flush=True)
 
-    def requested(self, run: Run, step: int) -> bool:
-        """All ranks agree, so no rank leaves the loop while another waits in a collective. A collective: call
-        it where every rank does (at log steps)."""
-        stop = self.received
-        if run.ddp:
-            flag = torch.tensor([float(self.received)], device=run.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            stop = bool(flag.item())
+    def vote(self) -> torch.Tensor:
+        """1.0 if this rank got a signal, else 0.0: all-reduce it with the step's loss and pass it to requested().
+        A fill on the device: no host-to-device copy to wait for."""
+        return torch.full((), float(self.received), device=self.run.device)
+
+    def requested(self, votes: torch.Tensor | float, step: int) -> bool:
+        """After every optimizer step: stop now? votes: this step's vote(), summed or averaged over the ranks (a
+        tensor, or its value where the loop reads it anyway). All ranks answer alike, so no rank leaves the loop
+        while another waits in a collective."""
+        self.step = step
+        if not self.run.ddp:
+            stop = self.received
+        elif isinstance(votes, float) or self.run.device.type != "cuda":
+            stop = float(votes) > 0  # on the host already: no wait
+        else:  # the step before's votes, copied as that step finished; this step's are copied for the next call
+            stop = False
+            if self.pending is not None:
+                host_votes, copied = self.pending
+                copied.synchronize()  # long done: only this step's work is still queued
+                stop = host_votes.item() > 0
+            self.pending = votes.to("cpu", non_blocking=True), torch.cuda.Event()
+            self.pending[1].record()
         if stop:
             print0(f"stopped at step {step}; continue with --resume=True")
         return stop

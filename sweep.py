@@ -57,6 +57,8 @@ import torch  # noqa: E402
 from config import (DistillConfig, DPOConfig, GRPOConfig, PretrainConfig, RewardConfig, SFTConfig,  # noqa: E402
                     check_type, help_text, load_config, parse_flag_value, read_config_file)
 from errors import ConfigError, UserError, cli  # noqa: E402
+from fileio import atomic_write  # noqa: E402
+from metrics import read_metrics  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
 
@@ -290,14 +292,9 @@ def read_metric(out_dir: str, metric: str) -> float:
     """The last value of metric in out_dir/metrics.jsonl (a cut last line is skipped); a UserError if none."""
     value = None
     try:
-        with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(row, dict) and type(row.get(metric)) in (int, float):
-                    value = float(row[metric])
+        for row in read_metrics(out_dir):
+            if type(row.get(metric)) in (int, float):
+                value = float(row[metric])
     except FileNotFoundError:
         raise UserError("it wrote no metrics.jsonl") from None
     if value is None:
@@ -432,9 +429,8 @@ def write_best_config(plan: Plan, best: dict) -> str:
     lines = [f"# sweep.py's best trial, {best['trial']}: {best['metric']} {best['value']:.4f}{steps}",
              f"# python {plan.sweep.script} {path}"]
     lines += [f"{k} = {v!r}" for k, v in settings.items()]
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
+    with atomic_write(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
-    os.replace(path + ".tmp", path)
     return path
 
 

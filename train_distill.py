@@ -110,7 +110,7 @@ def main(argv: list[str]):
     optimizer, scaler, guard, checkpoints = prepare_training(cfg, model_cfg, cfg.data_kind, run, model, loader, best)
     step = checkpoints.resume(resume_from)
     raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
-    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
+    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(run), start_profiler(cfg, run)
     if step == 0:  # the student before training, for the record
         log.write({"step": 0, **validation_metrics(raw_model, teacher, val_loader, cfg, run)})
     timer = StepTimer(run, cfg.peak_flops, step, max_steps)
@@ -140,7 +140,8 @@ def main(argv: list[str]):
             # the student's training FLOPs and the teacher's forward (a third of training's)
             timer.count(X, raw_model.flops_per_token(X.size(1)) + teacher.flops_per_token(X.size(1)) / 3)
         with timer.phase("optimizer"):
-            loss, kl, ce = all_reduce_mean(sums, run)  # all ranks must step, or skip, alike
+            # all ranks step, skip and stop alike
+            loss, kl, ce, stop_votes = all_reduce_mean(torch.cat([sums, stop.vote().view(1)]), run)
             scaler.unscale_(optimizer)  # float16: clip the true gradients, not the scaled ones
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
             log.grad_flow(step + 1, raw_model, cfg.grad_log_interval)
@@ -152,13 +153,12 @@ def main(argv: list[str]):
         if profiler:
             profiler.step()
 
-        stopping = False
+        stopping = stop.requested(stop_votes, step)  # Ctrl-C / SIGTERM on any rank: all ranks save and stop
         if step % cfg.log_interval == 0 or step == max_steps:  # the loop's only host syncs (.item())
             skipped = guard.report(step, loss.item(), grad_norm.item())  # names skipped steps; too many stop the run
             log.write({"step": step, "loss": loss.item(), "kl": kl.item(), "ce": ce.item(), "ppl": perplexity(ce.item()),
                        "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped, **timer.read(step),
                        **experts_row(raw_model, aux_sum / cfg.accum_steps, run)})
-            stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step == max_steps:
             with timer.paused():
                 val_metrics = validation_metrics(raw_model, teacher, val_loader, cfg, run)

@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 
 import lora
-from checkpoint import EarlyStopping, checkpoint_to_resume, finetune_model, frozen_model, prepare_training
+from checkpoint import (EarlyStopping, atomic_save, checkpoint_to_resume, finetune_model, frozen_model, load_tensors,
+                        prepare_training)
 from config import DPOConfig, load_config
 from data import Loader, dpo_loaders
-from errors import cli
+from errors import CheckpointError, cli
 from losses import bits_per_byte, count_token_bytes, evaluate, lm_sums, sequence_logprobs
 from metrics import MetricsLog, StepTimer, experts_row, start_profiler
 from model import aux_loss
@@ -79,7 +80,10 @@ def reference_tables(ref_path: str, cfg, loaders: dict[str, Loader], run) -> dic
                           digest_size=8).hexdigest()
     path = f"{expand_paths(cfg.data_path)[0]}.ref-{key}.pt"  # beside the first data file
     if os.path.exists(path):
-        return torch.load(path)
+        try:
+            return load_tensors(path)
+        except CheckpointError as e:  # a cache: computed again rather than trusted
+            print0(f"recomputing the reference log-probs: {e}")
     ref = frozen_model(ref_path, run.device, cfg.flash)
     tables = {}
     for split, loader in loaders.items():
@@ -88,8 +92,7 @@ def reference_tables(ref_path: str, cfg, loaders: dict[str, Loader], run) -> dic
             with run.autocast():
                 logps = sequence_logprobs(ref, X, Y, M, cfg.length_norm).float().cpu()
             tables[split][idx.cpu()] = torch.stack(logps.chunk(2), dim=1)
-    torch.save(tables, f"{path}.tmp")
-    os.replace(f"{path}.tmp", path)
+    atomic_save(tables, path)
     print0(f"reference log-probs of {sum(len(t) for t in tables.values()):,} pairs cached in {path}")
     return tables
 
@@ -151,7 +154,7 @@ def main(argv: list[str]):
     optimizer, scaler, guard, checkpoints = prepare_training(cfg, model_cfg, "dpo", run, model, loader, early)
     step = checkpoints.resume(resume_from)
     raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
-    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
+    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(run), start_profiler(cfg, run)
     timer = StepTimer(run, cfg.peak_flops, step, max_steps)
     watch = FailureWatch()
     token_bytes = count_token_bytes(tokenizer)  # for val_bpb
@@ -174,7 +177,8 @@ def main(argv: list[str]):
             aux_sum += aux.detach()
             timer.count(batch[0], raw_model.flops_per_token(batch[0].size(1)))
         with timer.phase("optimizer"):
-            loss, *metrics = all_reduce_mean(sums / cfg.accum_steps, run)  # all ranks must step, or skip, alike
+            # all ranks step, skip and stop alike
+            loss, *metrics, stop_votes = all_reduce_mean(torch.cat([sums / cfg.accum_steps, stop.vote().view(1)]), run)
             scaler.unscale_(optimizer)  # float16: clip the true gradients, not the scaled ones
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
             log.grad_flow(step + 1, raw_model, cfg.grad_log_interval)
@@ -186,7 +190,7 @@ def main(argv: list[str]):
         if profiler:
             profiler.step()
 
-        stopping = False
+        stopping = stop.requested(stop_votes, step)  # Ctrl-C / SIGTERM on any rank: all ranks save and stop
         if step % cfg.log_interval == 0 or step == max_steps:  # the loop's only host syncs (.item())
             means = dict(zip(METRICS, torch.stack(metrics).tolist()))
             skipped = guard.report(step, loss.item(), grad_norm.item())  # names skipped steps; too many stop the run
@@ -194,7 +198,6 @@ def main(argv: list[str]):
                        "skipped_steps": skipped, **timer.read(step),
                        **experts_row(raw_model, aux_sum / cfg.accum_steps, run)})
             watch.update(loss.item(), means["chosen_logp"], step > warmup_steps)
-            stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step % steps_per_epoch == 0 or step == max_steps:
             with timer.paused():
                 val_metrics = validation_metrics(raw_model, reference, val_loader, cfg, run, token_bytes)

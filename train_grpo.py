@@ -43,7 +43,8 @@ from tokenizer import load_tokenizer
 from tools import load_toolbox
 
 PHASES = ("rollout", "reward", "forward", "backward", "optimizer")
-STATS = ["completions", "reward_sum", "reward_sq_sum", "tokens", "groups", "zero_adv_groups"]  # summed over ranks
+# summed over ranks; stop_votes: the ranks that got Ctrl-C / SIGTERM
+STATS = ["completions", "reward_sum", "reward_sq_sum", "tokens", "groups", "zero_adv_groups", "stop_votes"]
 
 
 @dataclasses.dataclass
@@ -137,7 +138,7 @@ def main(argv: list[str]):
     optimizer, scaler, guard, checkpoints = prepare_training(cfg, model_cfg, "grpo", run, model, loader, early)
     step = checkpoints.resume(resume_from)
     raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for rollouts, saving and FLOPs
-    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
+    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(run), start_profiler(cfg, run)
     if step == 0:  # the starting model on the held-out prompts: what RL improves on
         log.write({"step": 0, **validation_reward(raw_model, val_loader, rewarder, cfg, tokenizer, run, toolbox)})
     timer = StepTimer(run, cfg.peak_flops, step, max_steps, PHASES)
@@ -158,7 +159,8 @@ def main(argv: list[str]):
                 b.advantages = group_advantages(b.rewards, cfg.group_size).to(run.device)
                 groups = b.rewards.view(-1, cfg.group_size)
                 stats += torch.tensor([len(b.rewards), b.rewards.sum(), (b.rewards ** 2).sum(), b.mask.sum().item(),
-                                       len(groups), (groups == groups[:, :1]).all(dim=1).sum()])
+                                       len(groups), (groups == groups[:, :1]).all(dim=1).sum(), 0])
+            stats[STATS.index("stop_votes")] = stop.received  # all ranks stop alike
             stats = dict(zip(STATS, all_reduce_sum(stats.to(run.device, torch.float64), run).tolist()))
             n_tokens = max(stats["tokens"], 1.0)
         with timer.phase("forward"), torch.no_grad(), run.autocast():  # log-probs that stay fixed over the epochs
@@ -199,7 +201,7 @@ def main(argv: list[str]):
         if profiler:
             profiler.step()
 
-        stopping = False
+        stopping = stop.requested(stats["stop_votes"], step)  # Ctrl-C / SIGTERM on any rank: all ranks save and stop
         if step % cfg.log_interval == 0 or step == max_steps:  # the loop's host syncs (.item()), besides rewards
             skipped = guard.report(step, loss.item(), grad_norm.item())  # names skipped steps; too many stop the run
             mean = stats["reward_sum"] / stats["completions"]
@@ -209,7 +211,6 @@ def main(argv: list[str]):
                    "completion_len": stats["tokens"] / stats["completions"],
                    "frac_zero_adv": stats["zero_adv_groups"] / stats["groups"], "skipped_steps": skipped}
             log.write(row | timer.read(step) | experts_row(raw_model, aux_sum / len(batches), run))
-            stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step % steps_per_epoch == 0 or step == max_steps:
             with timer.paused():
                 val = validation_reward(raw_model, val_loader, rewarder, cfg, tokenizer, run, toolbox)

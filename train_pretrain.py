@@ -39,7 +39,7 @@ def main(argv: list[str]):
     optimizer, scaler, guard, checkpoints = prepare_training(cfg, model_cfg, "pretrain", run, model, loader, best)
     step = checkpoints.resume(resume_from)
     raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
-    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
+    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(run), start_profiler(cfg, run)
     timer = StepTimer(run, cfg.peak_flops, step, max_steps)
     token_bytes = count_token_bytes(tokenizer)  # for val_bpb
 
@@ -59,7 +59,8 @@ def main(argv: list[str]):
             aux_sum += aux.detach()
             timer.count(X, raw_model.flops_per_token(X.size(1)))
         with timer.phase("optimizer"):
-            loss = all_reduce_mean(loss_sum / cfg.accum_steps, run)  # all ranks must step, or skip, alike
+            # all ranks step, skip and stop alike
+            loss, stop_votes = all_reduce_mean(torch.stack([loss_sum / cfg.accum_steps, stop.vote()]), run)
             scaler.unscale_(optimizer)  # float16: clip the true gradients, not the scaled ones
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
             log.grad_flow(step + 1, raw_model, cfg.grad_log_interval)
@@ -71,13 +72,12 @@ def main(argv: list[str]):
         if profiler:
             profiler.step()
 
-        stopping = False
+        stopping = stop.requested(stop_votes, step)  # Ctrl-C / SIGTERM on any rank: all ranks save and stop
         if step % cfg.log_interval == 0 or step == max_steps:  # the loop's only host syncs (.item())
             skipped = guard.report(step, loss.item(), grad_norm.item())  # names skipped steps; too many stop the run
             log.write({"step": step, "loss": loss.item(), "ppl": perplexity(loss.item()), "lr": lr,
                        "grad_norm": grad_norm.item(), "skipped_steps": skipped, **timer.read(step),
                        **experts_row(raw_model, aux_sum / cfg.accum_steps, run)})
-            stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step == max_steps:
             with timer.paused():
                 val = validation_loss(raw_model, val_loader, cfg.eval_steps, run, token_bytes)

@@ -64,7 +64,7 @@ def main(argv: list[str]):
     optimizer, scaler, guard, checkpoints = prepare_training(cfg, model_cfg, "reward", run, model, loader, early)
     step = checkpoints.resume(resume_from)
     raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
-    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(), start_profiler(cfg, run)
+    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(run), start_profiler(cfg, run)
     timer = StepTimer(run, cfg.peak_flops, step, max_steps)
 
     while step < max_steps:
@@ -86,7 +86,8 @@ def main(argv: list[str]):
             aux_sum += aux.detach()
             timer.count(batch[0], raw_model.flops_per_token(batch[0].size(1)))
         with timer.phase("optimizer"):
-            loss, *metrics = all_reduce_mean(sums / cfg.accum_steps, run)  # all ranks must step, or skip, alike
+            # all ranks step, skip and stop alike
+            loss, *metrics, stop_votes = all_reduce_mean(torch.cat([sums / cfg.accum_steps, stop.vote().view(1)]), run)
             scaler.unscale_(optimizer)  # float16: clip the true gradients, not the scaled ones
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
             log.grad_flow(step + 1, raw_model, cfg.grad_log_interval)
@@ -98,14 +99,13 @@ def main(argv: list[str]):
         if profiler:
             profiler.step()
 
-        stopping = False
+        stopping = stop.requested(stop_votes, step)  # Ctrl-C / SIGTERM on any rank: all ranks save and stop
         if step % cfg.log_interval == 0 or step == max_steps:  # the loop's only host syncs (.item())
             means = dict(zip(METRICS, torch.stack(metrics).tolist()))
             skipped = guard.report(step, loss.item(), grad_norm.item())  # names skipped steps; too many stop the run
             log.write({"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), **means,
                        "skipped_steps": skipped, **timer.read(step),
                        **experts_row(raw_model, aux_sum / cfg.accum_steps, run)})
-            stopping = stop.requested(run, step)  # Ctrl-C / SIGTERM, agreed on by all ranks
         if step % cfg.eval_interval == 0 or step % steps_per_epoch == 0 or step == max_steps:
             with timer.paused():
                 val_metrics = validation_metrics(raw_model, val_loader, cfg, run)

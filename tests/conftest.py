@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 import torch
 
+import metrics
 import prepare_demo
 import tokenizer as tk
 from model import ModelConfig, Transformer
@@ -74,8 +75,8 @@ def tiny(**overrides) -> Transformer:
 
 
 def read_metrics(out_dir) -> list[dict]:
-    with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+    """The run's rows as the run went on: a resume's restart row applied (metrics.read_metrics)."""
+    return metrics.read_metrics(str(out_dir))
 
 
 def train_losses(out_dir) -> dict[int, float]:

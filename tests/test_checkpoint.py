@@ -25,7 +25,7 @@ def test_an_out_dir_holding_checkpoints_is_an_error_line_and_nothing_is_touched(
     (out / "metrics.jsonl").write_text('{"step": 5, "loss": 1.0}\n')
     result = run_script("train_pretrain.py", f"--out_dir={out}", *TINY_RUN)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.startswith(f"error: {out} already holds checkpoints: pass --resume=True")
+    assert result.stderr.startswith(f"error: {out} already holds checkpoints (step_0000005.pt): pass --resume=True")
     assert (out / "step_0000005.pt").read_bytes() == b"not really a checkpoint"
     assert (out / "metrics.jsonl").read_text() == '{"step": 5, "loss": 1.0}\n'
 

@@ -16,7 +16,7 @@ import pytest
 import dedup
 import minhash
 from conftest import REPO
-from errors import BadRecord, ConfigError, DataError
+from errors import BadRecord, ConfigError, DataError, DiskFullError
 
 BOILERPLATE = {"en": "Copyright (c) Example News. All rights reserved. Reproduction without permission is prohibited.",
                "zh": "本文来源：人民日报。未经许可，不得转载。版权所有，侵权必究。"}
@@ -193,7 +193,7 @@ def test_out_is_replaced_atomically_or_not_at_all(tmp_path, monkeypatch):
 
     with monkeypatch.context() as m:  # the disk fills while OUT's temp file is written
         m.setattr(os, "fsync", failing_fsync)
-        with pytest.raises(OSError, match="No space left"):
+        with pytest.raises(DiskFullError, match=r"^no space left on the device to write .*out\.jsonl: nothing was replaced"):
             dedup.main([str(src), str(out)])
     find_duplicates = dedup.find_duplicates
 
