@@ -42,6 +42,7 @@ def test_a_named_gpu_is_made_current_before_any_other_cuda_call(monkeypatch):
     """Without torchrun too: else CUDA events, the dtype query and every kernel use cuda:0. Float32 matmuls may
     use TF32 there."""
     calls = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # counting creates no context on cuda:0
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
     monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda p: calls.append(("precision", p)))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **kw: calls.append(("bf16?",)) or True)
