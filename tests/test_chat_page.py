@@ -34,13 +34,13 @@ def server(tiny_sft):
     proc.wait()
 
 
-def api_answer(url, messages, finished: bool = False) -> str | None:
-    """The API's greedy answer (finished: None unless the model ended it before MAX_TOKENS)."""
+def api_answer(url, messages) -> tuple[str, str]:
+    """The API's greedy answer and its finish_reason."""
     body = json.dumps({"messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS}).encode()
     request = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request) as r:
         choice = json.loads(r.read())["choices"][0]
-    return None if finished and choice["finish_reason"] != "stop" else choice["message"]["content"]
+    return choice["message"]["content"], choice["finish_reason"]
 
 
 def open_page(browser, url):
@@ -54,34 +54,38 @@ def open_page(browser, url):
     return page
 
 
-def send(page, text: str) -> str:
-    """Type text, press Enter, wait for the answer to finish; its text."""
+def send(page, text: str) -> tuple[str, bool]:
+    """Type text, press Enter, wait until the page marks the answer done (its stream ended); the answer's text, and
+    whether the page noted under it that it was cut."""
     n = page.locator(".msg.assistant").count()
     page.fill("#input", text)
     page.press("#input", "Enter")
     answer = page.locator(".msg.assistant").nth(n)
     answer.and_(page.locator("[data-done='1']")).wait_for(timeout=60_000)
-    return answer.inner_text()
+    shown, cut = answer.evaluate("""d => [[...d.childNodes].filter(c => c.nodeType === Node.TEXT_NODE)
+        .map(c => c.data).join(""), d.querySelector(".note") !== null]""")
+    return shown, cut
 
 
 def test_a_multi_turn_chat_streams_the_api_s_answers_in_chinese_and_emoji(browser, server):
     page = open_page(browser, server)
-    # the tiny model ends some answers at once, or runs on: take a system prompt and question it answers in several
-    # characters and ends
+    # the tiny model ends some answers at once: take a system prompt and question it answers in several characters
     candidates = [(s, q) for s in ("Answer briefly. 🌍", "你是一个助手。", "Be helpful.")
                   for q in ("What is the capital of Kenya? 😀", "肯尼亚的首都是哪里？😀", "What is 3 + 4? 你好")]
-    system, first = next((s, q) for s, q in candidates if len((api_answer(
-        server, [{"role": "system", "content": s}, {"role": "user", "content": q}], finished=True) or "").strip()) > 3)
+    system, first = next((s, q) for s, q in candidates if len(api_answer(
+        server, [{"role": "system", "content": s}, {"role": "user", "content": q}])[0].strip()) > 3)
     second = "肯尼亚在哪个洲？"
     page.fill("#system", system)
-    answer1 = send(page, first)
+    answer1, cut1 = send(page, first)
     assert page.locator(".msg.user").nth(0).inner_text() == first  # the user's text, emoji and Chinese intact
     messages = [{"role": "system", "content": system}, {"role": "user", "content": first}]
-    assert answer1 == api_answer(server, messages)
+    content, finish = api_answer(server, messages)
+    assert (answer1, cut1) == (content, finish == "length")  # an answer cut at max_tokens is marked so
     assert page.evaluate("window.updates") >= 3  # the bubbles, then the answer in pieces
-    answer2 = send(page, second)  # the second turn carries the first
+    answer2, cut2 = send(page, second)  # the second turn carries the first
     messages += [{"role": "assistant", "content": answer1}, {"role": "user", "content": second}]
-    assert answer2 == api_answer(server, messages)
+    content, finish = api_answer(server, messages)
+    assert (answer2, cut2) == (content, finish == "length")
     assert page.locator(".msg.error").count() == 0 and not page.locator("#send").is_disabled()
     if SCREENSHOT:
         page.screenshot(path=SCREENSHOT)

@@ -135,12 +135,12 @@ def test_an_existing_gguf_is_replaced_only_with_force(tmp_path):
     assert (tmp_path / "new" / "model.gguf").read_bytes()[:4] == b"GGUF"
 
 
-@pytest.mark.parametrize("dtype, tolerance", [("float16", 2e-3), ("bfloat16", 0.1)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_half_precision_gguf_computes_the_rounded_model_s_logits(shape, dtype, tolerance, tmp_path):
+def test_half_precision_gguf_computes_the_rounded_model_s_logits(shape, dtype, tmp_path):
     """Weights stored in float16 or bfloat16 (norms in float32): llama.cpp's logits are those of nanomind's model
-    with its weights so rounded. ggml also rounds a bfloat16 matmul's activations to bfloat16 (8 bits of mantissa:
-    ~0.4% of each), hence the wider bound."""
+    with its weights so rounded. Whether ggml also rounds each matmul's input to that type depends on the CPU (its
+    AMX kernels keep float32 inputs, its other kernels round them), so the bound is not float32's but the type's."""
     ckpt = random_checkpoint(tmp_path / "ckpt.pt", SHAPES[shape], MINIMIND_TOKENIZER)
     convert.main(["export", str(ckpt), str(tmp_path / "model.gguf"), f"--dtype={dtype}"])
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "model.gguf").tensors}
@@ -156,4 +156,7 @@ def test_half_precision_gguf_computes_the_rounded_model_s_logits(shape, dtype, t
     llm = llama(tmp_path / "model.gguf")
     llm.eval(ids)
     theirs = torch.from_numpy(llm.scores[: len(ids)].copy())
-    assert (theirs - nanomind_logits(model.eval(), torch.tensor([ids]))[0]).abs().max() <= tolerance
+    ours = nanomind_logits(model.eval(), torch.tensor([ids]))[0]
+    unit_roundoff = torch.finfo(getattr(torch, dtype)).eps / 2
+    # each rounded matmul input moves a logit by about a unit roundoff of its scale; these add up over the layers
+    assert (theirs - ours).abs().max() <= 8 * unit_roundoff * ours.abs().max()

@@ -129,11 +129,18 @@ def test_the_adapters_off_reference_is_the_base_model(tiny_sft, demo_dir):
 
 
 def test_lora_dpo_starts_at_ln2_with_no_second_model(tiny_sft, demo_dir, tmp_path, monkeypatch):
+    """The adapters-off reference: the first loss is ln 2 exactly; and the adapters learn 16 preference pairs, so
+    that the DPO loss on those very pairs ends well below ln 2."""
     monkeypatch.setattr(train_dpo, "frozen_model", None)  # a separate reference model would fail to load
-    train_dpo.main([f"--init_from={tiny_sft}", f"--data_path={demo_dir}/dpo.jsonl", f"--out_dir={tmp_path}", *TINY_RUN,
-                    "--batch_size=8", "--lr=3e-3", "--warmup_steps=0", "--max_prompt_length=32",
-                    "--max_completion_length=32", "--eval_steps=2", "--max_steps=8", "--eval_interval=8", *LORA])
-    rows = [r for r in read_metrics(tmp_path) if "loss" in r]
-    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and rows[0]["reward_margin"] == 0.0
-    assert rows[-1]["loss"] < rows[0]["loss"]
-    assert "lora" in load_checkpoint(str(tmp_path / "step_0000008.pt"))
+    pairs, out = tmp_path / "dpo_16.jsonl", tmp_path / "run"
+    with open(demo_dir / "dpo.jsonl", encoding="utf-8") as f:
+        pairs.write_text("".join(f.readlines()[:16]), encoding="utf-8")
+    train_dpo.main([f"--init_from={tiny_sft}", f"--data_path={pairs}", f"--val_data_path={pairs}", f"--out_dir={out}",
+                    *TINY_RUN, "--batch_size=8", "--lr=1e-2", "--warmup_steps=0", "--max_prompt_length=32",
+                    "--max_completion_length=32", "--max_steps=60", "--eval_interval=60",
+                    "--early_stopping_patience=1000", *LORA])  # every epoch's end evaluates: no early stop
+    rows = read_metrics(out)
+    losses = [r for r in rows if "loss" in r]
+    assert losses[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and losses[0]["reward_margin"] == 0.0
+    assert len(losses) == 60 and [r for r in rows if "val_loss" in r][-1]["val_loss"] < 0.75 * math.log(2)
+    assert "lora" in load_checkpoint(str(out / "step_0000060.pt"))

@@ -66,20 +66,21 @@ def test_the_cli_uses_the_template_for_chat_checkpoints_and_plain_text_for_pretr
     assert fed[1] == [tok.bos_id] + tok.encode("The capital of")
 
 
-def test_sample_defaults_fit_a_short_context_model_and_a_bad_max_new_tokens_is_an_error_line(tiny_sft, capsys,
-                                                                                              monkeypatch):
-    """The tiny SFT model's context is 128 ids: the defaults answer within it (the prompt keeps at most half);
-    an explicit --max_new_tokens that leaves no room for the prompt is one error line."""
+def test_sample_defaults_fit_a_short_context_model_and_a_bad_max_new_tokens_is_an_error_line(tiny_sft, monkeypatch):
+    """The tiny SFT model's context is 128 ids: by default the prompt keeps at most half of it and the answer may
+    take the rest, to the context's end; an explicit --max_new_tokens that leaves no room for the prompt is one
+    error line."""
     import sample
 
     max_seq_len = load_model(str(tiny_sft))[0].config.max_seq_len
     assert max_seq_len == 128
-    fed = []
-    respond = sample.respond
-    monkeypatch.setattr(sample, "respond", lambda model, tok, ids, args, *rest: fed.append(ids) or
-                        respond(model, tok, ids, args, *rest))
+    decoded = []  # (prompt length, max_new_tokens) of each generate call
+    generate = sample.generate
+    monkeypatch.setattr(sample, "generate", lambda model, prompts, max_new, *rest: decoded.append(
+        (len(prompts[0]), max_new)) or generate(model, prompts, max_new, *rest))
     sample.main(["--ckpt", str(tiny_sft), "--prompt", "What is the capital of Kenya? " * 20])
-    assert 0 < len(fed[0]) <= max_seq_len // 2 and capsys.readouterr().out.strip()
+    (prompt, max_new), = decoded
+    assert 0 < prompt <= max_seq_len // 2 and prompt + max_new == max_seq_len
     result = run_script("sample.py", "--ckpt", str(tiny_sft), "--prompt", "hi", "--max_new_tokens", "128")
     assert result.returncode == 2 and result.stderr.startswith("error: --max_new_tokens")
     assert len(result.stderr.strip().splitlines()) == 1
