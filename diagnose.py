@@ -37,7 +37,7 @@ from minhash import SHINGLE, DuplicateFinder, record_text, snippets  # noqa: E40
 from model import ATTENTION_TILE, ModelConfig, MoEFeedForward, Transformer  # noqa: E402
 from optim import set_lr  # noqa: E402
 from runtime import setup  # noqa: E402
-from token_cache import encode_pretrain, encode_sft, tokenize_file  # noqa: E402
+from token_cache import encode_pretrain, encode_sft, parse_line, tokenize_file  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -162,9 +162,7 @@ def data_report(path: str, tokenizer, kind: str, max_seq_len: int, max_records: 
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-                if not isinstance(record, dict):
-                    raise BadRecord("not a JSON object")
+                record = parse_line(line.encode("utf-8"))  # a JSON object, or a BadRecord (however deep or long)
                 if kind == "pretrain":
                     (ids,), _ = encode_pretrain(tokenizer, record)
                     cut, mask, key = ids[: max_seq_len + 1], np.ones(min(len(ids), max_seq_len + 1)), record["text"]
@@ -174,7 +172,7 @@ def data_report(path: str, tokenizer, kind: str, max_seq_len: int, max_records: 
                     cut, mask = arrays if arrays is not None else ([], [])  # None: no answer token fits
                     key = json.dumps([record.get("system"), record["conversations"]], ensure_ascii=False, sort_keys=True)
                 texts.append(record_text(record, field))
-            except (json.JSONDecodeError, BadRecord):
+            except BadRecord:
                 bad += 1
                 continue
             digest = hashlib.blake2b(key.encode(), digest_size=16).digest()

@@ -80,11 +80,11 @@ def test_data_report_counts_duplicates_long_documents_and_bad_lines(tmp_path):
     short = ["hello world", "你好，世界", "one two three", "the cat sat"]
     long = [" ".join(["word"] * 100), " ".join(["猫"] * 100)]
     lines = [json.dumps({"text": t}, ensure_ascii=False) for t in short + [short[0], short[0]] + long]
-    lines += ["{not json", "", json.dumps({"title": "no text field"})]
+    lines += ["{not json", "", json.dumps({"title": "no text field"}), "[" * 5000 + "]" * 5000, "[1]"]
     path = tmp_path / "pretrain.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     r = diagnose.data_report(str(path), tok, "pretrain", max_seq_len=32)
-    assert (r["records"], r["duplicates"], r["bad_records"], r["over_max_seq_len"]) == (8, 2, 2, 2)
+    assert (r["records"], r["duplicates"], r["bad_records"], r["over_max_seq_len"]) == (8, 2, 4, 2)
     assert r["duplicate_rate"] == pytest.approx(2 / 8)
     assert r["lengths"][0] == len(tok.encode("hello world")) + 2  # <s> ... </s>
     assert r["max"] == max(len(tok.encode(t)) + 2 for t in long) > 33
