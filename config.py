@@ -12,14 +12,13 @@ with its default and its comment.
 import ast
 import dataclasses
 import inspect
-import math
 import os
 import re
 import sys
 import types
 import typing
 
-from errors import ConfigError
+from errors import ABOVE_0, AT_LEAST_1, FRACTION, NOT_NEGATIVE, ConfigError, check_ranges
 from lora import TARGETS
 from optim import OPTIMIZERS
 from runtime import DTYPES
@@ -79,7 +78,7 @@ class TrainConfig:
             # before the ranges: this message names all three keys that Muon needs
             raise ConfigError(f"optimizer muon needs lr > 0, muon_lr > 0 and 0 <= muon_momentum < 1, got lr "
                               f"{self.lr}, muon_lr {self.muon_lr}, muon_momentum {self.muon_momentum}")
-        check_ranges(self)
+        check_train_ranges(self)
         check_device_and_dtype(self.device, self.dtype)
 
 
@@ -284,12 +283,6 @@ class DistillConfig(TrainConfig):
 # -----------------------------------------------------------------------------
 # the ranges: every key's valid values, checked as a config is built (load_config: one `error:` line naming the key)
 
-AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
-ABOVE_0 = (lambda v: v > 0, "above 0")
-NOT_NEGATIVE = (lambda v: v >= 0, "0 or more")
-FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")  # probabilities (dropout), momenta, shares of a run
-
-
 def zero_means(meaning: str):
     """0 or more, where 0 switches something off: the rule says what."""
     return lambda v: v >= 0, f"0 ({meaning}) or more"
@@ -341,16 +334,10 @@ RANGES = {
 }
 
 
-def check_ranges(config: TrainConfig):
-    """The first key of config outside its range (RANGES, then min_lr <= lr) as a ConfigError: key, rule, value.
-    A float must also be finite: a config file may say `lr = float("nan")`."""
-    rules = {key: rule for cls in reversed(type(config).__mro__) for key, rule in RANGES.get(cls, {}).items()}
-    for key, (ok, rule) in rules.items():
-        value = getattr(config, key)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"config key {key!r} must be a finite number, {rule}, got {value!r}")
-        if value is not None and not ok(value):
-            raise ConfigError(f"config key {key!r} must be {rule}, got {value!r}")
+def check_train_ranges(config: TrainConfig):
+    """The first key of config outside its range (RANGES, then min_lr <= lr) as a ConfigError: key, rule, value."""
+    check_ranges(config, {key: rule for cls in reversed(type(config).__mro__)
+                          for key, rule in RANGES.get(cls, {}).items()})
     if config.min_lr > config.lr:  # the cosine would climb from lr to min_lr
         raise ConfigError(f"config key 'min_lr' must be at most lr ({config.lr!r}), got {config.min_lr!r}")
 

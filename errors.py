@@ -1,8 +1,9 @@
 """
 A user's mistake -- a config key, a data file, a tokenizer, a checkpoint, a run that diverges -- is one line
 `error: ...` and exit status 2; a traceback means a bug. Every kind of mistake is a UserError, raised where it is
-found with a message that names the key, file, line or field.
+found with a message that names the key, file, line or field; check_ranges does it for a key outside its range.
 """
+import math
 import os
 import sys
 
@@ -41,6 +42,27 @@ class NonFiniteError(UserError, RuntimeError):
 
 class DiskFullError(UserError, OSError):
     """No space left (or over quota) where a file was being written; nothing already written was replaced."""
+
+
+# -----------------------------------------------------------------------------
+# a key's valid values: (test of a value, the rule as an error says it), for config.RANGES and model.MODEL_RANGES
+
+AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
+ABOVE_0 = (lambda v: v > 0, "above 0")
+NOT_NEGATIVE = (lambda v: v >= 0, "0 or more")
+FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")  # probabilities (dropout), momenta, shares of a run
+
+
+def check_ranges(config, rules: dict):
+    """The first key of config (a dataclass) outside its rule as a ConfigError naming the key, the rule and the
+    value. None always passes (an Optional key not set); a float must also be finite: a config file may say
+    `lr = float("nan")`."""
+    for key, (ok, rule) in rules.items():
+        value = getattr(config, key)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"config key {key!r} must be a finite number, {rule}, got {value!r}")
+        if value is not None and not ok(value):
+            raise ConfigError(f"config key {key!r} must be {rule}, got {value!r}")
 
 
 def cli(main):

@@ -15,6 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from errors import ABOVE_0, AT_LEAST_1, FRACTION, NOT_NEGATIVE, check_ranges
+
 
 @dataclass
 class ModelConfig:
@@ -51,12 +53,7 @@ class ModelConfig:
     grad_checkpoint: bool = False  # recompute each block in backward: less memory, more compute
 
     def __post_init__(self):
-        for key, (ok, rule) in MODEL_RANGES.items():
-            value = getattr(self, key)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"config key {key!r} must be a finite number, {rule}, got {value!r}")
-            if value is not None and not ok(value):  # None: an Optional key's default, worked out below
-                raise ValueError(f"config key {key!r} must be {rule}, got {value!r}")
+        check_ranges(self, MODEL_RANGES)  # None passes: an Optional key's default, worked out below
         if self.head_dim is None:
             if self.dim % self.n_heads:
                 raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}), or set head_dim")
@@ -76,9 +73,6 @@ class ModelConfig:
         return self.flash if self.flash is not None else device_type == "cuda"
 
 
-AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
-ABOVE_0 = (lambda v: v > 0, "above 0")
-
 # ModelConfig's keys: key -> (test of its value, the rule as an error says it); None passes (the Optional keys).
 # The checks between keys (heads dividing dim, experts_per_token <= n_experts) follow in __post_init__.
 MODEL_RANGES = {
@@ -86,10 +80,10 @@ MODEL_RANGES = {
     "vocab_size": AT_LEAST_1, "max_seq_len": AT_LEAST_1, "ffn_dim": AT_LEAST_1,
     "rope_theta": (lambda v: v > 1, "above 1"),  # the base of the wavelengths: 1 gives every pair one frequency
     "norm_eps": ABOVE_0,
-    "dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "dropout": FRACTION,
     "head_dim": AT_LEAST_1,  # and even: checked below, also when it comes from dim / n_heads
     "n_experts": (lambda v: v >= 0, "0 (dense) or more"), "experts_per_token": AT_LEAST_1, "moe_ffn_dim": AT_LEAST_1,
-    "router_aux_loss_coef": (lambda v: v >= 0, "0 or more"),
+    "router_aux_loss_coef": NOT_NEGATIVE,
     "rope_scaling": (lambda v: v == "yarn", "None or 'yarn'"),
     "rope_factor": (lambda v: v >= 1, "at least 1"),  # YaRN stretches the context: below 1 would shrink it
     "rope_original_max_len": AT_LEAST_1,
