@@ -32,9 +32,10 @@ def full_disk_error(path: str) -> DiskFullError:
 
 
 @contextmanager
-def atomic_write(path: str, mode: str = "wb", **open_args):
-    """with atomic_write(path) as f: ... -- f is path.tmp, renamed over path once written and fsynced."""
-    tmp = f"{path}.tmp"
+def atomic_write(path: str, mode: str = "wb", tmp: str | None = None, **open_args):
+    """with atomic_write(path) as f: ... -- f is tmp (default path.tmp), renamed over path once written and
+    fsynced."""
+    tmp = tmp or f"{path}.tmp"
     try:
         with open(tmp, mode, **open_args) as f:
             yield f

@@ -30,7 +30,7 @@ import numpy as np
 
 from chat import encode_chat, json_type
 from errors import BadRecord, DataError
-from fileio import disk_full, full_disk_error
+from fileio import atomic_write, disk_full, full_disk_error
 
 
 # -----------------------------------------------------------------------------
@@ -306,17 +306,13 @@ def write_cache(path: str, key: str, parts: dict[str, tuple[str, np.dtype]], inf
         offset += -(-n * dtype.itemsize // 64) * 64
     header = json.dumps({"key": key, "info": info, "layout": layout}).encode()
     start = -(-(len(CACHE_MAGIC) + 8 + len(header)) // 64) * 64
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with atomic_write(path, tmp=f"{path}.tmp{os.getpid()}") as f:  # the pid's: ranks may build it at once
         f.write(CACHE_MAGIC + len(header).to_bytes(8, "little") + header)
         for name, (part, _) in parts.items():
             f.seek(start + layout[name][1])
             with open(part, "rb") as src:
                 shutil.copyfileobj(src, f, 1 << 20)
         f.truncate(start + offset)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_cache(path: str, key: str):

@@ -47,8 +47,7 @@ def pretrain_argv(demo_dir, out_dir, *flags) -> list[str]:
 
 
 def run(argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, *argv], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
-    return result
+    return subprocess.run([sys.executable, *argv], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
