@@ -308,6 +308,15 @@ def trained_tokenizer_path(state: dict) -> str | None:
     path, recorded = state.get("config", {}).get("tokenizer_path"), state.get("tokenizer")
     if path is None and (not recorded or recorded["fingerprint"] == nanomind_fingerprint()):
         return str(NANOMIND_DIR)
+    return shipped_tokenizer_moved(path)
+
+
+def shipped_tokenizer_moved(path: str | None) -> str | None:
+    """The shipped tokenizers' folder was tokenizer/ (beside tokenizer.py) before it became vocab/: a checkpoint
+    that recorded tokenizer/nanomind or tokenizer/minimind, and finds no such folder, gets the one in vocab/."""
+    parts = os.path.normpath(path).split(os.sep) if path else []
+    if len(parts) >= 2 and parts[-2] == "tokenizer" and parts[-1] in ("nanomind", "minimind") and not os.path.isdir(path):
+        return str(NANOMIND_DIR.parent / parts[-1])
     return path
 
 

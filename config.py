@@ -37,7 +37,7 @@ class TrainConfig:
     data_path: str = "data/train.jsonl"  # a file, a glob (data/pretrain_*.jsonl) or several, comma-separated
     val_data_path: str | None = None  # the same; None: hold out the last val_fraction of the records
     val_fraction: float = 0.01
-    tokenizer_path: str | None = None  # None: the default, MiniMind's (tokenizer/minimind/)
+    tokenizer_path: str | None = None  # None: the default, MiniMind's (vocab/minimind/)
     # --- training length
     batch_size: int = 64  # per rank: the global batch is batch_size x accum_steps x ranks
     accum_steps: int = 1  # micro-batches per optimizer step

@@ -51,7 +51,7 @@ class Config:
     # --- data
     data_path: str | None = None  # None: random tokens (the data command needs a file)
     kind: str = "pretrain"  # pretrain | sft: how data_path is read
-    tokenizer_path: str | None = None  # None: the default, MiniMind's (tokenizer/minimind/)
+    tokenizer_path: str | None = None  # None: the default, MiniMind's (vocab/minimind/)
     max_records: int | None = None  # data: read only the first this many records
     near_dup_threshold: float = 0.8  # data: estimated Jaccard similarity of character 5-grams of a near duplicate
     # --- the checks (model keys: see ModelConfig)

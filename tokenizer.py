@@ -1,15 +1,15 @@
 """Tokenizers behind one small interface: byte-level BPE run by tiktoken, or SentencePiece.
 
-    tok = load_tokenizer()              # the default: MiniMind's, shipped in tokenizer/minimind/
+    tok = load_tokenizer()              # the default: MiniMind's, shipped in vocab/minimind/
     ids = tok.encode("你好, world")     # ordinary text only: "<|im_start|>" in text is never the BOS id
     text = tok.decode(ids)
 
-Two tokenizers ship in tokenizer/. The default is MiniMind's (Apache-2.0): a Hugging Face tokenizer.json
+Two tokenizers ship in vocab/. The default is MiniMind's (Apache-2.0): a Hugging Face tokenizer.json
 (+ tokenizer_config.json) holding a byte-level BPE of 6400 ids split by GPT-2's rule, with its ChatML
 template; HFTokenizer runs such files with tiktoken. It packs Chinese tighter than nanomind's own, and
 llama.cpp splits text by its rule exactly (docs/tokenizer.md).
 
-nanomind's own, in tokenizer/nanomind/ (the default of earlier checkpoints, which still load with it), is
+nanomind's own, in vocab/nanomind/ (the default of earlier checkpoints, which still load with it), is
 a directory with tokenizer.tiktoken (one "base64(token) rank" line per token: the 256 single bytes
 first, then the merges in training order) and nanomind.json (the pre-tokenisation pattern, the special
 tokens' ids, vocab_size; directories written before it had that name call it tokenizer.json). The
@@ -30,7 +30,7 @@ from errors import TokenizerError
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "[INST]", "[/INST]", "<<SYS>>", "<</SYS>>"]
 CHAT_TOKENS = SPECIAL_TOKENS[3:]
-DEFAULT_DIR = Path(__file__).resolve().parent / "tokenizer" / "minimind"
+DEFAULT_DIR = Path(__file__).resolve().parent / "vocab" / "minimind"
 NANOMIND_DIR = DEFAULT_DIR.parent / "nanomind"  # the default until MiniMind's took its place
 META_FILE = "nanomind.json"  # beside tokenizer.tiktoken; not Hugging Face's tokenizer.json format
 
@@ -384,7 +384,7 @@ class HFTokenizer(Tokenizer):
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """None: the default, MiniMind's, in tokenizer/minimind/. A .model file: SentencePiece. A directory holding
+    """None: the default, MiniMind's, in vocab/minimind/. A .model file: SentencePiece. A directory holding
     tokenizer.tiktoken: nanomind's tiktoken format; else tokenizer.model: SentencePiece; else a
     Hugging Face tokenizer.json (+ tokenizer_config.json): its byte-level BPE run by tiktoken."""
     p = DEFAULT_DIR if path is None else Path(path)

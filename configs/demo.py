@@ -5,7 +5,7 @@ val_fraction = 0.05
 # nanomind's own tokenizer, trained partly on this synthetic world: with the default (MiniMind's), which spells many
 # of its country names in several byte pieces, this 1.6M-parameter model answered 35.8% of the held-out questions
 # after SFT instead of 97.5% (docs/demo.md). SFT and DPO take it from their init_from.
-tokenizer_path = "tokenizer/nanomind"
+tokenizer_path = "vocab/nanomind"
 # model: 1.6M parameters, half of them the tied 6400 x 128 embedding
 dim = 128
 n_layers = 4

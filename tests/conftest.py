@@ -216,7 +216,7 @@ def run_script(*args, cwd=REPO):
 
 @pytest.fixture(scope="module")
 def tok():
-    """nanomind's own tokenizer (tokenizer/nanomind/, the default before MiniMind's): the tests of its format, of
+    """nanomind's own tokenizer (vocab/nanomind/, the default before MiniMind's): the tests of its format, of
     the [INST] template and of data handling that holds for any tokenizer."""
     return load_tokenizer(tk.NANOMIND_DIR)
 

@@ -309,7 +309,7 @@ def test_minimind_tokenizer_through_pretrain_sft_and_sample(demo_dir, tmp_path, 
     args = [f"--init_from={pre}/best.pt", f"--data_path={data}", *TINY_RUN, "--batch_size=4", "--max_steps=3",
             "--eval_interval=3", "--max_seq_len=64", "--val_fraction=0.25"]
     with pytest.raises(TokenizerError, match="not the one the checkpoint was trained with"):
-        train_sft.main([*args, f"--out_dir={tmp_path / 'wrong'}", "--tokenizer_path=tokenizer/nanomind"])
+        train_sft.main([*args, f"--out_dir={tmp_path / 'wrong'}", "--tokenizer_path=vocab/nanomind"])
     train_sft.main([*args, f"--out_dir={sft}"])
     state = torch.load(sft / "best.pt", weights_only=False)
     assert state["config"]["tokenizer_path"] == str(MINIMIND)

@@ -54,6 +54,29 @@ def test_weights_of_another_shape_are_an_error_naming_the_keys():
         load_model_state(small, other.state_dict(), "other.pt")
 
 
+@pytest.mark.parametrize("recorded", ["tokenizer/nanomind", "tokenizer/minimind", "ROOT/tokenizer/nanomind"])
+def test_a_checkpoint_naming_the_old_tokenizer_folder_still_loads(recorded, tmp_path, monkeypatch):
+    """The shipped tokenizers moved from tokenizer/ to vocab/: a checkpoint that recorded the old folder (relative,
+    as configs wrote it, or absolute) loads with the same tokenizer from the new one."""
+    import torch
+
+    from checkpoint import load_model
+    from tokenizer import DEFAULT_DIR, load_tokenizer
+
+    root = DEFAULT_DIR.parent.parent
+    recorded = recorded.replace("ROOT", str(root))
+    tok = load_tokenizer(DEFAULT_DIR.parent / recorded.rsplit("/", 1)[1])
+    model = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=16))
+    state = {"model": model.state_dict(), "model_config": vars(model.config), "stage": "sft", "step": 0,
+             "config": {"tokenizer_path": recorded},
+             "tokenizer": {"path": recorded, "fingerprint": tok.fingerprint, "chat_template": tok.chat_template}}
+    torch.save(state, tmp_path / "old.pt")
+    monkeypatch.chdir(root)  # where the run was started
+    assert not (root / "tokenizer").exists()
+    _, loaded, _ = load_model(str(tmp_path / "old.pt"))
+    assert loaded.fingerprint == tok.fingerprint
+
+
 @pytest.mark.parametrize("recorded", ["nanomind", "none", "minimind"])
 def test_a_checkpoint_without_a_tokenizer_path_gets_the_default_of_its_day(recorded, tmp_path):
     """tokenizer_path None meant the default when the run was written: nanomind's own before MiniMind's took its

@@ -57,9 +57,9 @@ def distill(demo_dir, out_dir, teacher, *flags):
 
 def test_a_teacher_of_another_tokenizer_or_vocabulary_is_an_error(tiny_pretrained, demo_dir, tmp_path):
     state = load_checkpoint(str(tiny_pretrained))
-    state["config"]["tokenizer_path"] = "tokenizer/nanomind"  # nanomind's own tokenizer: 6400 ids too, other ones
+    state["config"]["tokenizer_path"] = "vocab/nanomind"  # nanomind's own tokenizer: 6400 ids too, other ones
     torch.save(state, tmp_path / "nanomind_teacher.pt")
-    with pytest.raises(ConfigError, match=r"nanomind_teacher\.pt was trained with the tokenizer tokenizer/nanomind"):
+    with pytest.raises(ConfigError, match=r"nanomind_teacher\.pt was trained with the tokenizer vocab/nanomind"):
         distill(demo_dir, tmp_path / "a", tmp_path / "nanomind_teacher.pt", "--max_steps=1")
     with pytest.raises(ConfigError, match="has vocab_size 6400, the student 8000"):
         distill(demo_dir, tmp_path / "b", tiny_pretrained, "--max_steps=1", "--vocab_size=8000")

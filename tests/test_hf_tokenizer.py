@@ -1,5 +1,5 @@
 """Hugging Face byte-level BPE files run by tiktoken give the ids of the tokenizers library itself, on MiniMind's
-tokenizer.json (tokenizer/minimind, the default) and on small ones trained here with the library's own trainer."""
+tokenizer.json (vocab/minimind, the default) and on small ones trained here with the library's own trainer."""
 from __future__ import annotations
 
 import json
@@ -22,8 +22,8 @@ from tokenizer import TokenizerError, load_tokenizer
 from train_tokenizer import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
-MINIMIND = ROOT / "tokenizer" / "minimind"
-SHIPPED_FINGERPRINT = "c93ebe85913d7b99"  # tokenizer/ before its tokenizer.json became nanomind.json
+MINIMIND = ROOT / "vocab" / "minimind"
+SHIPPED_FINGERPRINT = "c93ebe85913d7b99"  # vocab/ (then tokenizer/) before its tokenizer.json became nanomind.json
 # Qwen2's split: a Split pre-tokenizer followed by ByteLevel without its own regex
 QWEN_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 SPLITS = {

@@ -4,10 +4,10 @@ and English prose from Debian's documentation packages (a Debian 12 machine):
 
     apt-get install -y manpages-zh debian-reference-zh-cn debian-reference-en fortunes-zh debian-faq-zh-cn \
         maint-guide-zh-cn debian-edu-doc-zh-cn libreoffice-help-zh-cn gimp-help-en python3.11-doc
-    python tokenizer/nanomind/make_corpus.py /tmp/corpus            # -> /tmp/corpus/train.jsonl, heldout*.txt
+    python vocab/nanomind/make_corpus.py /tmp/corpus            # -> /tmp/corpus/train.jsonl, heldout*.txt
     python prepare_demo.py
     python train_tokenizer.py --input /tmp/corpus/train.jsonl data/demo/pretrain.jsonl data/demo/sft.jsonl \
-        --vocab_size 6400 --out tokenizer/nanomind
+        --vocab_size 6400 --out vocab/nanomind
 
 The held-out files (every document whose crc32 is 0 mod 20) measure compression; they are not trained on.
 """
@@ -97,5 +97,5 @@ def main(out_dir: str):
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 or sys.argv[1:] in (["-h"], ["--help"]):
-        raise SystemExit(__doc__ + "\nusage: python tokenizer/nanomind/make_corpus.py [OUT_DIR (default: corpus)]")
+        raise SystemExit(__doc__ + "\nusage: python vocab/nanomind/make_corpus.py [OUT_DIR (default: corpus)]")
     main(sys.argv[1] if len(sys.argv) > 1 else "corpus")
