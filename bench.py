@@ -30,16 +30,11 @@ is one JSON object with every figure.
 import dataclasses
 import json
 import os
-import platform
-import random
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 
 import torch
 
@@ -54,7 +49,10 @@ from lora import add_lora, trainable_params
 from metrics import measure_peak_flops
 from model import ModelConfig, Transformer
 from runtime import setup, synchronize
-from token_cache import encode_dpo, tokenize_file
+from serve_load import running_server, timed_clients
+from synthetic import Synthetic, write_pretraining_file
+from timing import BestPeak, OtherLoad, calls_per_second, fastest_and_median, machine, measured_process, spread
+from token_cache import tokenize_file
 from tokenizer import load_tokenizer
 
 
@@ -158,63 +156,6 @@ def resolve(mode: str, flags: list[str]):
             load_config([f for f in flags if key(f) in keys(ModelConfig)], ModelConfig)[0])
 
 
-class Synthetic:
-    """Demo-style bilingual text (demo_data.py) as pretraining documents, conversations and DPO pairs of
-    random lengths up to a limit in tokens, and sums to work out as RL prompts, written as the JSONL the scripts
-    read."""
-
-    def __init__(self, tokenizer, seed: int = 1337):
-        self.tok, self.rng = tokenizer, random.Random(seed)
-        self.ids = tokenizer.encode(" ".join(demo_data.documents(2000, 20, self.rng)))
-        # what the chat template adds around a DPO prompt and an answer, in tokens (one-token texts: minus 1)
-        prompt, answer, _ = encode_dpo(tokenizer, {"prompt": "x", "chosen": "x", "rejected": "x"})[0]
-        self.template = (len(prompt) - 1, len(answer) - 1)
-
-    def text(self, n_tokens: int) -> str:
-        """A stretch of the text that encodes to at most n_tokens (a cut stretch can encode to a few more)."""
-        start = self.rng.randrange(len(self.ids) - n_tokens)
-        for n in range(n_tokens, 0, -1):
-            text = self.tok.decode(self.ids[start : start + n]).strip()
-            if text and len(self.tok.encode(text)) <= n_tokens:
-                return text
-        return "…"
-
-    def documents(self, n_tokens: int) -> list[dict]:
-        docs, total = [], 0
-        while total < n_tokens:
-            docs += [{"text": d} for d in demo_data.documents(200, 20, self.rng)]
-            total += sum(len(self.tok.encode(d["text"])) + 2 for d in docs[-200:])  # + <s> </s>
-        return docs
-
-    def conversation(self, max_tokens: int) -> dict:
-        turns = self.rng.randint(1, 3)
-        per_message = max(8, self.rng.randint(max_tokens // 4, max_tokens) // (2 * turns) - 6)  # - template
-        return {"conversations": [{"role": role, "content": self.text(per_message)}
-                                  for _ in range(turns) for role in ("user", "assistant")]}
-
-    def pair(self, max_prompt: int, max_completion: int) -> dict:
-        limits = (max_prompt - self.template[0], max_completion - self.template[1], max_completion - self.template[1])
-        lengths = [self.rng.randint(min(8, limit), max(1, limit)) for limit in limits]
-        return dict(zip(("prompt", "chosen", "rejected"), map(self.text, lengths)))
-
-    def sum_prompt(self) -> dict:
-        """An RL prompt whose answer (reward=answer) is a number: "What is 28 plus 65?", "请计算34+66。"."""
-        a, b = self.rng.randint(1, 99), self.rng.randint(1, 99)
-        question, _ = demo_data.sum_qa(a, b, self.rng.choice(("en", "zh")), self.rng)
-        return {"conversations": [{"role": "user", "content": question}], "answer": str(a + b)}
-
-    def stage_data(self, mode: str, cfg, model_cfg, n_items: int) -> list[dict]:
-        """n_items training windows / conversations / pairs of the stage's maximum length, or RL prompts."""
-        if mode == "train":
-            return self.documents(n_items * model_cfg.max_seq_len + model_cfg.max_seq_len)
-        if mode == "sft":
-            return [self.conversation(cfg.max_seq_len + 1) for _ in range(n_items)]
-        if mode == "grpo":
-            return [self.sum_prompt() for _ in range(n_items)]
-        cfg = cfg.fit_lengths(model_cfg.max_seq_len)  # the prompt and answer lengths the script will use
-        return [self.pair(cfg.max_prompt_length, cfg.max_completion_length) for _ in range(n_items)]
-
-
 def timed_steps(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> tuple[list, dict]:
     """One variant of train/sft/dpo/grpo: synthetic data (and a random-init checkpoint, tmp/init.pt, to start
     from), the script as a subprocess -> (the timed steps as (metrics row, the step's seconds), the device, dtype
@@ -257,12 +198,6 @@ def timed_steps(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak
     seconds = [row["elapsed_s"] - before["elapsed_s"] for before, row in zip(rows[n - 1 :], rows[n:])]
     return list(zip(rows[n:], seconds)), {"device": str(run.device), "dtype": run.dtype, "peak_flops": peak,
                                           "peak_measured": not cfg.peak_flops}
-
-
-def fastest_and_median(steps: list, speed) -> tuple:
-    """The fastest of the timed steps by speed(step), and the median one (the lower median)."""
-    by_speed = sorted(steps, key=speed)
-    return by_speed[-1], by_speed[(len(by_speed) - 1) // 2]
 
 
 def run_stage(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
@@ -348,11 +283,10 @@ def group_rollouts(model, prompt: list[int], cfg, run, rounds: int) -> dict:
     timed = [{way: timed_rollouts(model, prompt, *ways[way], cfg.max_new_tokens, cfg, run) for way in ways}
              for _ in range(rounds)]  # [{way: (seconds, tokens)}] round by round
     speeds = {way: [tokens / seconds for seconds, tokens in (t[way] for t in timed)] for way in ways}
-    ratios = sorted(group / alone for group, alone in zip(speeds["group"], speeds["one_by_one"]))
     return {"group_tokens": timed[0]["group"][1], "one_by_one_tokens": timed[0]["one_by_one"][1],
             "group_tokens_per_s": statistics.median(speeds["group"]),
             "one_by_one_tokens_per_s": statistics.median(speeds["one_by_one"]),
-            "group_speedup": statistics.median(ratios), "group_speedup_min": ratios[0], "group_speedup_max": ratios[-1]}
+            **spread("group_speedup", (g / alone for g, alone in zip(speeds["group"], speeds["one_by_one"])))}
 
 
 def timed_generation(model, prompt, new_tokens: int, use_cache: bool, run) -> tuple[float, float]:
@@ -401,52 +335,12 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "maxrss": own + processes
 """
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants, from /proc (0 where there is none)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        try:
-            with open(f"/proc/{entry}/stat") as f:  # "pid (comm) state ppid ...": comm may hold spaces
-                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo += children.get(p, [])
-        try:
-            with open(f"/proc/{p}/statm") as f:  # size resident ... in pages
-                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except OSError:
-            continue
-    return total
-
-
 def timed_tokenisation(path: str, tokenizer_path: str | None, processes: int, tmp: str) -> tuple[float, float]:
     """(seconds, peak resident bytes of the process tree) of data.tokenize_file in a fresh process: its peak is
     its own. The tree's RSS is sampled every 50 ms; without /proc, the process's and its workers' maxima."""
-    with open(f"{tmp}/tokenise.out", "w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", TOKENISE, path, tokenizer_path or "", str(processes)],
-                                cwd=REPO, stdout=out)
-        peak = 0
-        while proc.poll() is None:
-            peak = max(peak, tree_rss(proc.pid))
-            time.sleep(0.05)
-    if proc.returncode:
-        raise RuntimeError(f"tokenising {path} failed (exit status {proc.returncode})")
-    with open(f"{tmp}/tokenise.out") as f:
-        measured = json.loads(f.read().strip().splitlines()[-1])
+    measured, peak = measured_process([sys.executable, "-c", TOKENISE, path, tokenizer_path or "", str(processes)],
+                                      REPO, f"{tmp}/tokenise.out", f"tokenising {path}")
     return measured["seconds"], peak or measured["maxrss"]
-
-
-def write_pretraining_file(path: str, megabytes: float, rng: random.Random):
-    """Demo-style JSONL of about `megabytes`: each record joins 2-10 demo_data documents (~1.7 KB, about the
-    size of MiniMind's pretraining records), drawn from a pool so that writing GBs takes seconds, not minutes."""
-    pool = demo_data.documents(2000, 20, rng)
-    with open(path, "w", encoding="utf-8") as f:
-        while f.tell() < megabytes * 1e6:
-            f.writelines(json.dumps({"text": "\n".join(rng.choices(pool, k=rng.randint(2, 10)))}, ensure_ascii=False)
-                         + "\n" for _ in range(5000))
 
 
 def run_data(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
@@ -471,44 +365,10 @@ def run_data(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of
     records = tokenize_file(path, tokenizer, "pretrain", verbose=False)  # the cache the last run wrote
     loader = Loader(PretrainData(records, model_cfg.max_seq_len), cfg.batch_size, tokenizer.pad_id,
                     setup(cfg.device, cfg.dtype, cfg.seed).device)
-    n, t0 = 0, time.perf_counter()
-    while n < 10 or time.perf_counter() - t0 < 2.0:
-        loader.next_batch()
-        n += 1
-    batches_per_s = n / (time.perf_counter() - t0)
+    batches_per_s = calls_per_second(loader.next_batch, min_calls=10, min_seconds=2.0)
     return [{"file_mb": size_mb, "tokens": sum(len(s) for s in records.token_spans()), **row,
              "loader_batches_per_s": batches_per_s,
              "loader_tokens_per_s": batches_per_s * cfg.batch_size * model_cfg.max_seq_len}]
-
-
-def stream_completion(url: str, prompt: str, new_tokens: int) -> int:
-    """One streamed greedy /v1/completions request; the tokens it generated (its usage)."""
-    body = json.dumps({"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request) as response:
-        events = [json.loads(line[6:]) for line in response if line.startswith(b"data: {")]
-    return events[-1]["usage"]["completion_tokens"]
-
-
-def timed_clients(url: str, prompts: list[str], new_tokens: int) -> float:
-    """Aggregate tokens/s of one streaming client per prompt, all started together: every token over the time
-    from the start to the last client's end."""
-    counts = [0] * len(prompts)
-    start = threading.Barrier(len(prompts) + 1)
-
-    def client(i: int):
-        start.wait()
-        counts[i] = stream_completion(url, prompts[i], new_tokens)
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    return sum(counts) / (time.perf_counter() - t0)
 
 
 def run_serve(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
@@ -519,16 +379,8 @@ def run_serve(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_o
     torch.manual_seed(cfg.seed)
     torch.save({"model": Transformer(model_cfg).state_dict(), "model_config": dataclasses.asdict(model_cfg),
                 "config": {"tokenizer_path": cfg.tokenizer_path}, "stage": "sft"}, f"{tmp}/init.pt")
-    server = subprocess.Popen([sys.executable, "serve.py", f"--ckpt={tmp}/init.pt", "--port=0",
-                               f"--device={setup(cfg.device, cfg.dtype, cfg.seed).device}",
-                               f"--max_batch={bench.clients}"], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
-    try:
-        line = server.stdout.readline()
-        if "http://" not in line:
-            raise RuntimeError(f"serve.py did not start (exit status {server.wait()})")
-        url = line.split("http://", 1)[1].split("/", 1)[0]
-        url = f"http://{url}"
+    device = setup(cfg.device, cfg.dtype, cfg.seed).device
+    with running_server(f"{tmp}/init.pt", f"--device={device}", f"--max_batch={bench.clients}") as url:
         prompts = [synth.text(bench.prompt_tokens) for _ in range(bench.clients)]
         timed_clients(url, prompts[:1], 8)  # warm-up: first-call allocations and kernel choices
         rows = []
@@ -537,10 +389,7 @@ def run_serve(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_o
             together = timed_clients(url, prompts, bench.new_tokens)
             rows.append({"round": r + 1, "clients": bench.clients, "tokens_per_s_alone": alone,
                          "tokens_per_s_together": together, "ratio": together / alone})
-        return rows
-    finally:
-        server.terminate()
-        server.wait()
+    return rows
 
 
 def dense_counterpart(model_cfg: ModelConfig) -> list[str]:
@@ -569,7 +418,6 @@ def run_moe(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of)
         runs = [measured[name] for measured in rounds]
         fastest = max(runs, key=lambda row: row["tokens_per_s"])
         median, mem = statistics.median(row["tokens_per_s_median"] for row in runs), max(row["mem_gb"] for row in runs)
-        ratios = sorted(m[name]["tokens_per_s"] / m["dense"]["tokens_per_s"] for m in rounds)
         with torch.device("meta"):  # shapes only, no memory
             model = Transformer(resolve("train", model_flags)[1])
         rows.append({"model": name, "params": model.num_params(), "active_params": model.num_params(active=True),
@@ -577,7 +425,7 @@ def run_moe(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of)
                      "ms_per_step": fastest["ms_per_step"], "mem_gb": mem, "mem_vs_dense": mem / dense_mem,
                      # MFU is tokens/s times a constant (one model, one peak): the median's against the fastest's peak
                      "mfu": fastest["mfu"], "mfu_median": fastest["mfu"] * median / fastest["tokens_per_s"],
-                     "vs_dense": statistics.median(ratios), "vs_dense_min": ratios[0], "vs_dense_max": ratios[-1],
+                     **spread("vs_dense", (m[name]["tokens_per_s"] / m["dense"]["tokens_per_s"] for m in rounds)),
                      **{k: v for k, v in fastest.items() if k.startswith("frac_")},
                      **{k: fastest[k] for k in ("device", "dtype", "peak_flops", "peak_measured")}})
     return rows
@@ -587,56 +435,29 @@ RUNNERS = {"train": run_stage, "sft": run_stage, "dpo": run_stage, "lora": run_l
            "generate": run_generate, "data": run_data, "serve": run_serve, "moe": run_moe}
 STAGE_COLUMNS = {"tokens_per_s": "{:.0f}", "tokens_per_s_median": "{:.0f}", "ms_per_step": "{:.0f}",
                  "mfu": "{:.2%}", "mfu_median": "{:.2%}", "mem_gb": "{:.2f}",
-                 "frac_data": "{:.1%}", "frac_forward": "{:.1%}", "frac_backward": "{:.1%}", "frac_optimizer": "{:.1%}",
-                 "other_load": "{:.2f}"}
+                 "frac_data": "{:.1%}", "frac_forward": "{:.1%}", "frac_backward": "{:.1%}", "frac_optimizer": "{:.1%}"}
+# each mode's table: column -> format (main puts variant before them and other_load after)
 COLUMNS = {"train": STAGE_COLUMNS, "sft": STAGE_COLUMNS, "dpo": STAGE_COLUMNS,
            "lora": {"run": "{}", "trainable_params": "{:,}", "tokens_per_s": "{:.0f}", "tokens_per_s_median": "{:.0f}",
-                    "ms_per_step": "{:.0f}", "mem_gb": "{:.2f}", "other_load": "{:.2f}"},
+                    "ms_per_step": "{:.0f}", "mem_gb": "{:.2f}"},
            "grpo": {"rollout_tokens_per_s": "{:.0f}", "rollout_tokens_per_s_median": "{:.0f}", "ms_per_step": "{:.0f}",
                     "completion_len": "{:.0f}", "frac_rollout": "{:.1%}", "frac_reward": "{:.1%}",
                     "frac_update": "{:.1%}", "mem_gb": "{:.2f}", "group_tokens_per_s": "{:.0f}",
                     "one_by_one_tokens_per_s": "{:.0f}", "group_speedup": "{:.2f}x", "group_speedup_min": "{:.2f}x",
-                    "group_speedup_max": "{:.2f}x", "other_load": "{:.2f}"},
+                    "group_speedup_max": "{:.2f}x"},
            "generate": {"batch_size": "{}", "prefill_tokens_per_s": "{:.0f}", "decode_tokens_per_s_cache": "{:.1f}",
-                        "decode_tokens_per_s_recompute": "{:.1f}", "cache_speedup": "{:.1f}x",
-                        "other_load": "{:.2f}"},
+                        "decode_tokens_per_s_recompute": "{:.1f}", "cache_speedup": "{:.1f}x"},
            "moe": {"model": "{}", "params": "{:,}", "active_params": "{:,}", "tokens_per_s": "{:.0f}",
                    "tokens_per_s_median": "{:.0f}", "ms_per_step": "{:.0f}", "mfu": "{:.2%}", "mfu_median": "{:.2%}",
                    "mem_gb": "{:.2f}", "vs_dense": "{:.2f}x", "vs_dense_min": "{:.2f}x", "vs_dense_max": "{:.2f}x",
                    "mem_vs_dense": "{:.2f}x", "frac_forward": "{:.1%}", "frac_backward": "{:.1%}",
-                   "frac_optimizer": "{:.1%}", "other_load": "{:.2f}"},
+                   "frac_optimizer": "{:.1%}"},
            "serve": {"round": "{}", "clients": "{}", "tokens_per_s_alone": "{:.1f}", "tokens_per_s_together": "{:.1f}",
-                     "ratio": "{:.2f}x", "other_load": "{:.2f}"},
+                     "ratio": "{:.2f}x"},
            "data": {"file_mb": "{:.1f}", "tokens": "{:.3g}", "tokenise_mb_per_s_1proc": "{:.2f}",
                     "tokenise_peak_gb_1proc": "{:.2f}", "tokenise_mb_per_s_2proc": "{:.2f}",
                     "tokenise_peak_gb_2proc": "{:.2f}", "loader_batches_per_s": "{:.0f}",
-                    "loader_tokens_per_s": "{:.3g}",
-                    "other_load": "{:.2f}"}}
-
-
-def cpu_seconds() -> tuple[float, float]:
-    """(CPU seconds every process on the machine has used since boot, those of bench and its children): the
-    difference over a run is what other processes took from it."""
-    if not os.path.exists("/proc/stat"):  # not Linux: unknown
-        return float("nan"), 0.0
-    with open("/proc/stat") as f:  # cpu  user nice system idle iowait irq softirq steal ...
-        user, nice, system, _, _, irq, softirq = map(int, f.readline().split()[1:8])
-    own = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK"), sum(r.ru_utime + r.ru_stime for r in own)
-
-
-def machine() -> dict:
-    """CPU model, cores, the AVX-512 flags that matter to matmul speed, torch version and threads."""
-    cpu, flags = platform.processor() or platform.machine(), set()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            first_cpu = [line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line]
-        info = {k.strip(): v.strip() for k, v in first_cpu}
-        cpu, flags = info.get("model name", cpu), set(info.get("flags", "").split())
-    flags &= {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
-    return {"cpu": cpu, "cores": os.cpu_count(), "cpu_flags": sorted(flags),
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+                    "loader_tokens_per_s": "{:.3g}"}}
 
 
 def main(argv: list[str]) -> dict:
@@ -644,40 +465,24 @@ def main(argv: list[str]) -> dict:
     info = machine()
     print(f"cpu {info['cpu']} ({info['cores']} cores, {' '.join(info['cpu_flags'])}), gpu {info['cuda']}, "
           f"torch {info['torch']} ({info['threads']} threads)")
-    peaks: dict = {}  # "device/dtype" -> the best matmul FLOP/s measured so far
-
-    def peak_of(device: torch.device, dtype: str, again: bool = True) -> float:
-        """The best measurement so far, after peak_repeats more (again=False: only if there is none yet; the
-        samples after one variant are those before the next)."""
-        name = f"{device}/{dtype}"
-        if not again and name in peaks:
-            return peaks[name]
-        sample = max(measure_peak_flops(device, dtype) for _ in range(bench.peak_repeats))
-        peaks[name] = max(sample, peaks.get(name, 0.0))
-        print(f"peak {dtype} matmul on {device}: {sample / 1e9:.1f} GFLOP/s (best so far {peaks[name] / 1e9:.1f})")
-        return peaks[name]
-
+    peak_of = BestPeak(measure_peak_flops, bench.peak_repeats)
     synth = Synthetic(load_tokenizer(resolve(bench.mode, flags)[0].tokenizer_path))
     rows = []
     for variant in variants:
         print(f"{bench.mode} {variant or 'base'} ...", file=sys.stderr, flush=True)
-        (all0, own0), t0 = cpu_seconds(), time.time()
-        with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
+        with OtherLoad() as load, tempfile.TemporaryDirectory(prefix="bench_") as tmp:
             measured = RUNNERS[bench.mode](bench, flags + variant_flags(variant), tmp, synth, peak_of)
-        (all1, own1), seconds = cpu_seconds(), time.time() - t0
-        other_load = ((all1 - all0) - (own1 - own0)) / seconds  # cores other processes kept busy meanwhile
-        rows += [{"variant": variant or "base", **row, "other_load": other_load} for row in measured]
+        rows += [{"variant": variant or "base", **row, "other_load": load.cores} for row in measured]
     for row in rows:  # every measured MFU against the best peak of the whole run
         if row.get("peak_measured"):
-            best = peaks[f"{row['device']}/{row['dtype']}"]
+            best = peak_of.best[f"{row['device']}/{row['dtype']}"]
             scale = row["peak_flops"] / best  # the script logged MFU against the best peak at its start
             row["mfu"], row["mfu_median"], row["peak_flops"] = row["mfu"] * scale, row["mfu_median"] * scale, best
-    columns = {"variant": "{}", **COLUMNS[bench.mode]}
+    columns = {"variant": "{}", **COLUMNS[bench.mode], "other_load": "{:.2f}"}
     cells = [list(columns)] + [[fmt.format(row[k]) for k, fmt in columns.items()] for row in rows]
     for line in cells:
         print("  ".join(c.rjust(max(len(r[i]) for r in cells)) for i, c in enumerate(line)))
-    result = {"mode": bench.mode, "argv": list(argv), "machine": info, "rows": rows,
-              "peak_flops": peaks}
+    result = {"mode": bench.mode, "argv": list(argv), "machine": info, "rows": rows, "peak_flops": peak_of.best}
     if any(row["other_load"] > 0.2 for row in rows):
         print("warning: other processes used the CPU during the run (other_load): the figures may be low")
     print(json.dumps(result))

@@ -24,10 +24,12 @@ import math
 import re
 import struct
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
 from errors import ConfigError
+from fileio import atomic_write
 from model import ModelConfig
 from tokenizer import PATTERN
 
@@ -88,8 +90,8 @@ def pack_value(kind: int, value) -> bytes:
     return struct.pack(SCALARS[kind], value)
 
 
-def write_gguf(path: Path, metadata: dict[str, tuple[int, object]], tensors: dict[str, torch.Tensor]):
-    """metadata: key -> (value type, value), an ARRAY's value being (element type, items)."""
+def write_gguf(f: BinaryIO, metadata: dict[str, tuple[int, object]], tensors: dict[str, torch.Tensor]):
+    """The GGUF file into f; metadata: key -> (value type, value), an ARRAY's value being (element type, items)."""
     infos, offset = [], 0
     for name, t in tensors.items():
         dims = list(reversed(t.shape))  # innermost first
@@ -99,11 +101,10 @@ def write_gguf(path: Path, metadata: dict[str, tuple[int, object]], tensors: dic
     header += b"".join(pack_string(key) + struct.pack("<I", kind) + pack_value(kind, value)
                        for key, (kind, value) in metadata.items())
     header += b"".join(infos)
-    with open(path, "wb") as f:
-        f.write(header + b"\0" * (-len(header) % ALIGNMENT))
-        for t in tensors.values():
-            data = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-            f.write(data + b"\0" * (-len(data) % ALIGNMENT))
+    f.write(header + b"\0" * (-len(header) % ALIGNMENT))
+    for t in tensors.values():
+        data = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        f.write(data + b"\0" * (-len(data) % ALIGNMENT))
 
 
 # -----------------------------------------------------------------------------
@@ -215,7 +216,7 @@ def split_rule(tokenizer_json: dict, tokenizer, where: str) -> str:
 
 
 def tokenizer_metadata(tokenizer_json: dict, tokenizer_config: dict, tokenizer, vocab_size: int, where: str) -> dict:
-    """tokenizer_json / tokenizer_config: the tokenizer as Hugging Face files (convert.tokenizer_files)."""
+    """tokenizer_json / tokenizer_config: the tokenizer as Hugging Face files (hf_export.tokenizer_files)."""
     pre = split_rule(tokenizer_json, tokenizer, where)
     added = {t["id"]: t for t in tokenizer_json.get("added_tokens") or []}
     spelled = {i: t for t, i in tokenizer_json["model"]["vocab"].items()} | {i: t["content"] for i, t in added.items()}
@@ -246,10 +247,7 @@ def export_gguf(state: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer, fil
     refuse_what_llama_cpp_computes_differently(cfg)
     metadata = model_metadata(cfg, dtype, name) | tokenizer_metadata(
         files["tokenizer.json"], files["tokenizer_config.json"], tokenizer, cfg.vocab_size, where)
-    tmp = out.with_name(out.name + ".tmp")  # written beside OUT, then renamed: an error leaves OUT as it was
+    tensors = gguf_tensors(state, cfg, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)  # as a folder export makes its folder
-    try:
-        write_gguf(tmp, metadata, gguf_tensors(state, cfg, dtype))
-        tmp.replace(out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_write(str(out)) as f:  # an error leaves OUT as it was
+        write_gguf(f, metadata, tensors)
