@@ -1,6 +1,8 @@
 """
 Checkpoints: what a run saves and how anything loads it back.
 
+  prepare_training   a built model -> what its training loop works with (Training): optimizer, GradScaler,
+                     guard, checkpoints (resumed), the wrapped model, metrics log, signals, profiler, step timer
   Checkpoints        save (atomically) and resume everything a run needs to continue exactly: full-precision
                      weights, optimizer, GradScaler, data position, every rank's RNG states, configs, loop state
   EarlyStopping      which evaluation is best.pt, and when a run without progress stops
@@ -15,6 +17,7 @@ import os
 import pickle
 import random
 import re
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -23,9 +26,10 @@ import torch.distributed as dist
 from errors import CheckpointError, ConfigError, NonFiniteError, TokenizerError
 from fileio import atomic_write
 from lora import adapter_state, add_lora, lora_layers, merge_lora, trainable_params
+from metrics import MetricsLog, StepTimer, start_profiler
 from model import ModelConfig, Transformer
 from optim import NonFiniteGuard, configure_optimizer
-from runtime import Run, print0, seed_rank
+from runtime import Run, StopSignal, print0, seed_rank, wrap
 from token_cache import file_digest
 from tokenizer import NANOMIND_DIR, load_tokenizer
 
@@ -67,19 +71,37 @@ def checkpoint_to_resume(cfg) -> str | None:
     return newest_checkpoint(cfg.out_dir)
 
 
-def prepare_training(cfg, model_cfg, stage: str, run: Run, model, loader, early):
-    """(optimizer, scaler, guard, checkpoints) for a built model: AdamW, or Muon and AdamW (over the trainable
-    parameters: a LoRA model's adapters), the GradScaler (enabled for float16 only: bfloat16 has float32's range),
-    the non-finite guard, and the checkpoints that save them all. First each rank gets a random stream of its own (dropout): the
-    model was built alike on every rank."""
-    seed_rank(cfg.seed, run)
+class Training(NamedTuple):
+    """What a training loop works with (prepare_training), in the order the scripts unpack it."""
+    model: torch.nn.Module  # the one the loop trains: compiled and DDP-wrapped as asked (runtime.wrap)
+    raw_model: torch.nn.Module  # unwrapped: for saving, evaluation, sampling and FLOPs
+    optimizer: torch.optim.Optimizer  # AdamW, or Muon and AdamW, over the trainable parameters (LoRA: the adapters)
+    scaler: torch.amp.GradScaler  # enabled for float16 only: bfloat16 has float32's range
+    guard: NonFiniteGuard
+    checkpoints: "Checkpoints"  # they save all of the above
+    step: int  # the first step to run: 0, or the resumed checkpoint's
+    log: MetricsLog
+    stop: StopSignal
+    profiler: torch.profiler.profile | None  # with profile=True, on rank 0
+    timer: StepTimer
+
+
+def prepare_training(cfg, stage: str, run: Run, model, loader, early, resume_from: str | None, max_steps: int,
+                     phases: tuple = StepTimer.PHASES) -> Training:
+    """What a built model's training loop works with, resumed from resume_from (None: a fresh run). stage: the
+    run's kind, recorded for sample.py; phases: the parts the timer splits a step into."""
+    seed_rank(cfg.seed, run)  # each rank a random stream of its own (dropout): the model was built alike on all
     optimizer = configure_optimizer(model, cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type,
                                     cfg.optimizer, cfg.muon_lr, cfg.muon_momentum)
     scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")
     guard = NonFiniteGuard(model, cfg.max_bad_steps, run.device)
     lora = lora_record(cfg) if lora_layers(model) else None
-    checkpoints = Checkpoints(cfg, model_cfg, stage, run, model, optimizer, scaler, loader, guard, early, lora)
-    return optimizer, scaler, guard, checkpoints
+    checkpoints = Checkpoints(cfg, model.config, stage, run, model, optimizer, scaler, loader, guard, early, lora)
+    step = checkpoints.resume(resume_from)
+    wrapped = wrap(model, cfg, run)
+    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(run), start_profiler(cfg, run)
+    timer = StepTimer(run, cfg.peak_flops, step, max_steps, phases)
+    return Training(wrapped, model, optimizer, scaler, guard, checkpoints, step, log, stop, profiler, timer)
 
 
 class Checkpoints:

@@ -6,14 +6,17 @@ Generation, written once: sample.py, serve.py, eval.py, eval_demo.py and bench.p
   Row, Engine   rows decoding together in one KV cache, each at its own position: add() prefills prompts (one
                 forward for prompts of one length; a prompt may start several rows, a group of completions),
                 step() decodes one token for every row, and rows that are done leave the batch
-  generate      prompts -> their rows, decoded together to the end (the plain use of an Engine)
-  decode        rows of any prompt lengths, decoded together to their ends (RL's groups of completions)
+  decode_steps  the one decoding loop: Rows of any prompt lengths, yielded after the prefill and every step
+  generate      id lists in -> their rows, streamed (each token as it comes: the CLI, the bench)
+  decode        Rows in -> the same Rows, decoded to their ends (RL's groups of completions, tool turns)
+  complete      id lists in -> each completion's text (evaluation)
   TextStream    a row's ids -> the text it may show so far: whole UTF-8 characters, never half a stop string
   prompt_ids    messages in the chat template, or a text to continue -> the ids to generate from
 
 A row that stops (at a stop string, a tool call) can go on later as a new row whose prompt is everything so far
 plus what comes next: the model continues a cache at any position (Transformer.hidden_states).
 """
+import os
 from dataclasses import dataclass
 
 import torch
@@ -258,14 +261,25 @@ def ids_so_far(rows: list[Row], device) -> torch.Tensor:
     return to_device([[s[0]] * (longest - len(s)) + s for s in seqs], device)
 
 
-def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = GREEDY,
-             eos_id: int | None = None, use_cache: bool = True):
-    """Decode prompts (id lists of one length) together until each row has max_new_tokens tokens or its eos_id.
-    Yields the rows (in the prompts' order) after the prefill and after every decode step: each row's .tokens
-    grows by one until it is done. A failed row raises its error."""
-    rows = [Row(list(p), max_new_tokens, sampling, eos_id) for p in prompts]
-    engine = Engine(model, len(rows), len(rows[0].prompt) + max_new_tokens, use_cache)
-    engine.add(rows)
+def by_length(rows: list[Row]) -> dict[int, list[Row]]:
+    """The rows grouped by prompt length, each group in the rows' order."""
+    groups: dict[int, list[Row]] = {}
+    for row in rows:
+        groups.setdefault(len(row.prompt), []).append(row)
+    return groups
+
+
+def decode_steps(model, rows: list[Row], use_cache: bool = True):
+    """Decode rows of any prompt lengths together: one prefill per length (a prompt that several rows share,
+    once), then one token a step for every row, each at its own position. Yields the rows after the prefills and
+    after every step until all are done; a failed row raises its error. use_cache=False (the reference the cache
+    is tested against) recomputes every step and takes prompts of one length."""
+    groups = by_length(rows)
+    if not use_cache and len(groups) > 1:
+        raise ValueError(f"use_cache=False decodes prompts of one length, got lengths {sorted(groups)}")
+    engine = Engine(model, len(rows), max(len(row.prompt) + row.max_new for row in rows), use_cache)
+    for length in sorted(groups):  # rows sharing a Sampling draw in an order of their own: length, then place
+        engine.add(groups[length])
     while True:
         for row in rows:
             if row.error is not None:
@@ -276,42 +290,32 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
         engine.step()
 
 
+def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = GREEDY,
+             eos_id: int | None = None, use_cache: bool = True):
+    """Id lists in, their rows out, streamed (decode_steps): each row's .tokens grows by one a step until it has
+    max_new_tokens tokens or ends with eos_id."""
+    yield from decode_steps(model, [Row(list(p), max_new_tokens, sampling, eos_id) for p in prompts], use_cache)
+
+
 def decode(model, rows: list[Row]) -> list[Row]:
-    """Decode rows whose prompts may differ in length together to their ends: one prefill per prompt length (a
-    prompt that several rows share, once), then one token a step for every row, each at its own position. RL's
-    rollouts: a group of rows per prompt. A failed row raises its error."""
-    engine = Engine(model, len(rows), max(len(row.prompt) + row.max_new for row in rows))
-    by_length: dict[int, list[Row]] = {}
-    for row in rows:
-        by_length.setdefault(len(row.prompt), []).append(row)
-    for length in sorted(by_length):  # rows sharing a Sampling draw in an order of their own: length, then place
-        engine.add(by_length[length])
-    while engine.rows:
-        engine.step()
-    for row in rows:
-        if row.error is not None:
-            raise row.error
+    """Rows in (each with its own prompt, max_new, Sampling and eos_id), the same rows out, decoded to their ends
+    (decode_steps)."""
+    for _ in decode_steps(model, rows):
+        pass
     return rows
 
 
 def complete(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = GREEDY,
              batch_size: int = 64) -> list[str]:
-    """The text of each prompt's completion up to its end of turn (eos), without the template's surrounding
-    spaces. Prompts of one length decode together, batch_size at a time; each gets at most max_new_tokens, and at
-    most what the model's context leaves."""
-    by_length: dict[int, list[int]] = {}
-    for i, ids in enumerate(prompts):
-        by_length.setdefault(len(ids), []).append(i)
-    texts = [""] * len(prompts)
-    for length, indices in by_length.items():
-        for start in range(0, len(indices), batch_size):
-            chunk = indices[start : start + batch_size]
-            new = min(max_new_tokens, model.config.max_seq_len - length)
-            for rows in generate(model, [prompts[i] for i in chunk], new, sampling, tokenizer.eos_id):
-                pass
-            for i, row in zip(chunk, rows):
-                texts[i] = answer_text(tokenizer, row)
-    return texts
+    """Id lists in, the text of each completion out (answer_text): at most max_new_tokens, and at most what the
+    model's context leaves. Prompts of one length decode together, batch_size at a time, in lockstep (one
+    position for every row: no per-row mask)."""
+    rows = [Row(list(ids), min(max_new_tokens, model.config.max_seq_len - len(ids)), sampling, tokenizer.eos_id)
+            for ids in prompts]
+    for group in by_length(rows).values():
+        for start in range(0, len(group), batch_size):
+            decode(model, group[start : start + batch_size])
+    return [answer_text(tokenizer, row) for row in rows]
 
 
 def answer_text(tokenizer, row: Row) -> str:
@@ -337,42 +341,98 @@ def prompt_ids(tokenizer, messages: list[dict] | str, system: str | None = None,
 class TextStream:
     """A row's token ids -> the text that may be shown so far: never half a multi-byte character (it waits for
     the rest), never the beginning of what may still become a stop string, nor the stop string and what follows.
-    strip: a chat answer loses the template's spaces around it."""
+    strip: a chat answer loses the template's spaces around it. The work per token is bounded: it decodes the ids
+    since the last character boundary between tokens (a few), and reads the text near its end."""
 
     def __init__(self, tokenizer, stop: list[str] = (), strip: bool = True):
         self.tokenizer, self.stop, self.strip = tokenizer, list(stop), strip
         self.borders = [borders(s) for s in self.stop]
-        self.ids: list[int] = []
-        self.sent = ""
+        self.reach = max(map(len, self.stop), default=1) - 1  # how far before changed text a stop string may start
+        self.tail: list[int] = []  # the ids since the last character boundary between tokens
+        self.tail_text = ""  # their text; the `done` characters decoded before them are final
+        self.done = 0
+        self.lead = 0  # spaces stripped from the text's start
+        self.text, self.start = "", 0  # the (stripped) text from position start on: what may still be read
+        self.length = 0  # of the whole (stripped) text
+        self.pieces: list[str] = []  # the text sent, as add and finish returned it
+        self.n_sent = 0
+        self.diverged = False  # text already sent has changed since (a cut character sent after waiting)
         self.stopped = False
         self.waited = 0  # tokens held back in a row for an incomplete character; 4 means it never completes
 
+    @property
+    def sent(self) -> str:
+        """All the text sent so far."""
+        return "".join(self.pieces)
+
     def add(self, token: int) -> str:
         """The next new text after token (maybe ""); sets stopped when a stop string appears."""
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        text = text.lstrip(" ") if self.strip else text
-        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        changed = self.extend(token)
+        if self.stopped:  # only finish() sends more: what follows the stop string
+            return ""
+        found = [i for i in (self.find(s, changed) for s in self.stop) if i >= 0]
         if found:
             self.stopped = True
-            return self.send(text[: min(found)].rstrip(" ") if self.strip else text[: min(found)])
+            return self.send(self.rstripped(min(found)) if self.strip else min(found))
         self.waited += 1
-        if text.endswith("\ufffd") and self.waited < 4:  # a cut character: its other (at most 3) bytes come next
+        if self.text.endswith("\ufffd") and self.waited < 4:  # a cut character: its other (at most 3) bytes come next
             return ""
         self.waited = 0
-        held = max([overlap(text, s, b) for s, b in zip(self.stop, self.borders)], default=0)
-        if self.strip:
-            held = max(held, len(text) - len(text.rstrip(" ")))
-        return self.send(text[: len(text) - held])
+        held = max([overlap(self.text, s, b) for s, b in zip(self.stop, self.borders)], default=0)
+        return self.send(min(self.length - held, self.rstripped(self.length)) if self.strip else self.length - held)
 
     def finish(self) -> str:
         """The rest of the text, when the answer ends without a stop string."""
-        text = self.tokenizer.decode(self.ids)
-        return self.send(text.strip(" ") if self.strip else text)
+        return self.send(self.rstripped(self.length) if self.strip else self.length)
 
-    def send(self, text: str) -> str:
-        new = text[len(self.sent):] if text.startswith(self.sent) else ""
-        self.sent += new
+    def extend(self, token: int) -> int:
+        """Decode token onto the text; returns the position from which the text changed. The ids before the last
+        character boundary between tokens (where the next token decodes alone to the text it adds) are not
+        decoded again: UTF-8 decodes the bytes on either side of a character boundary apart."""
+        keep_from = max(0, self.done - self.lead - self.reach)  # this step changes nothing before done - lead
+        keep_from = keep_from if self.diverged else min(keep_from, self.n_sent)
+        if keep_from > self.start:
+            self.text, self.start = self.text[keep_from - self.start :], keep_from
+        tail = self.tail + [token]
+        text = self.tokenizer.decode(tail)
+        kept = len(os.path.commonprefix([self.tail_text, text]))  # of any two strings, character by character
+        if self.tail and text == self.tail_text + (alone := self.tokenizer.decode([token])):
+            self.done, kept, tail, text = self.done + kept, 0, [token], alone  # the text before token is final
+        self.tail, self.tail_text = tail, text
+        return self.replace(self.done + kept, text[kept:])
+
+    def replace(self, changed: int, new: str) -> int:
+        """The decoded text from position changed on is now new: the (stripped) text takes it; returns the
+        position in the stripped text from which it changed."""
+        if self.strip and changed <= self.lead:  # nothing but spaces before: the stripped text starts in new
+            stripped = new.lstrip(" ")
+            self.lead, changed, new = changed + len(new) - len(stripped), 0, stripped
+        else:
+            changed -= self.lead
+        if not self.diverged and changed < self.n_sent:
+            self.diverged = self.text[changed - self.start : self.n_sent - self.start] != new[: self.n_sent - changed]
+        self.text = self.text[: changed - self.start] + new
+        self.length = changed + len(new)
+        return changed
+
+    def find(self, stop: str, changed: int) -> int:
+        """Where stop first occurs in the text (-1: nowhere), knowing that it did not before position changed."""
+        if not stop:
+            return 0
+        i = self.text.find(stop, max(changed - len(stop) + 1 - self.start, 0))
+        return i if i < 0 else self.start + i
+
+    def rstripped(self, end: int) -> int:
+        """end, less the spaces just before it (looking back no further than the text kept)."""
+        return self.start + len(self.text[: end - self.start].rstrip(" "))
+
+    def send(self, end: int) -> str:
+        """The text up to end that was not sent yet; nothing once sent text has changed (it cannot be recalled)."""
+        if self.diverged or end <= self.n_sent:
+            return ""
+        new = self.text[self.n_sent - self.start : end - self.start]
+        self.pieces.append(new)
+        self.n_sent = end
         return new
 
 

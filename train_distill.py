@@ -22,10 +22,10 @@ from config import DistillConfig, load_config
 from data import pretrain_loaders, sft_loaders
 from errors import ConfigError, cli
 from losses import evaluate, perplexity
-from metrics import MetricsLog, StepTimer, experts_row, start_profiler
+from metrics import experts_row
 from model import ModelConfig, Transformer, aux_loss
 from optim import get_lr, schedule_length, set_lr
-from runtime import StopSignal, all_reduce_mean, all_reduce_sum, print0, print_run, setup, teardown, wrap
+from runtime import all_reduce_mean, all_reduce_sum, print0, print_run, setup, teardown
 from tokenizer import load_tokenizer
 
 
@@ -107,13 +107,11 @@ def main(argv: list[str]):
 
     best = EarlyStopping()  # no patience: it only tracks the best validation loss
     # the checkpoints' stage is the data's: it says what the student does (continue text or chat) to sample.py
-    optimizer, scaler, guard, checkpoints = prepare_training(cfg, model_cfg, cfg.data_kind, run, model, loader, best)
-    step = checkpoints.resume(resume_from)
-    raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
-    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(run), start_profiler(cfg, run)
+    training = prepare_training(cfg, cfg.data_kind, run, model, loader, best, resume_from, max_steps)
+    model, raw_model, optimizer, scaler, guard, checkpoints, step, log, stop, profiler, timer = training
     if step == 0:  # the student before training, for the record
-        log.write({"step": 0, **validation_metrics(raw_model, teacher, val_loader, cfg, run)})
-    timer = StepTimer(run, cfg.peak_flops, step, max_steps)
+        with timer.paused():
+            log.write({"step": 0, **validation_metrics(raw_model, teacher, val_loader, cfg, run)})
 
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))

@@ -25,10 +25,10 @@ from config import DPOConfig, load_config
 from data import Loader, dpo_loaders
 from errors import CheckpointError, cli
 from losses import bits_per_byte, count_token_bytes, evaluate, lm_sums, sequence_logprobs
-from metrics import MetricsLog, StepTimer, experts_row, start_profiler
+from metrics import experts_row
 from model import aux_loss
 from optim import get_lr, schedule_length, set_lr
-from runtime import StopSignal, all_reduce_mean, print0, print_run, setup, teardown, wrap
+from runtime import all_reduce_mean, print0, print_run, setup, teardown
 from token_cache import expand_paths, file_digest
 from tokenizer import load_tokenizer
 
@@ -151,11 +151,8 @@ def main(argv: list[str]):
     reference = make_reference(cfg, run, model, loader, val_loader)
 
     early = EarlyStopping(cfg.early_stopping_patience, cfg.early_stopping_threshold)
-    optimizer, scaler, guard, checkpoints = prepare_training(cfg, model_cfg, "dpo", run, model, loader, early)
-    step = checkpoints.resume(resume_from)
-    raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
-    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(run), start_profiler(cfg, run)
-    timer = StepTimer(run, cfg.peak_flops, step, max_steps)
+    training = prepare_training(cfg, "dpo", run, model, loader, early, resume_from, max_steps)
+    model, raw_model, optimizer, scaler, guard, checkpoints, step, log, stop, profiler, timer = training
     watch = FailureWatch()
     token_bytes = count_token_bytes(tokenizer)  # for val_bpb
 

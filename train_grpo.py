@@ -33,12 +33,12 @@ from errors import ConfigError, cli
 from grpo import (Rewarder, agent_rollout, completion_batch, completion_texts, group_advantages, policy_loss,
                   prompt_seed, rollout, token_logprobs)
 from losses import evaluate
-from metrics import MetricsLog, StepTimer, experts_row, start_profiler
+from metrics import experts_row
 from model import aux_loss
 from optim import get_lr, schedule_length, set_lr
 from reward_model import load_reward_model
 from rewards import answer_reward, load_rewards, reference
-from runtime import StopSignal, all_reduce_sum, print0, print_run, setup, teardown, wrap
+from runtime import all_reduce_sum, print0, print_run, setup, teardown
 from tokenizer import load_tokenizer
 from tools import load_toolbox
 
@@ -135,13 +135,11 @@ def main(argv: list[str]):
     reference_model = make_reference(cfg, model)
 
     early = EarlyStopping(cfg.early_stopping_patience, cfg.early_stopping_threshold, "val_reward", maximize=True)
-    optimizer, scaler, guard, checkpoints = prepare_training(cfg, model_cfg, "grpo", run, model, loader, early)
-    step = checkpoints.resume(resume_from)
-    raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for rollouts, saving and FLOPs
-    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(run), start_profiler(cfg, run)
+    training = prepare_training(cfg, "grpo", run, model, loader, early, resume_from, max_steps, PHASES)
+    model, raw_model, optimizer, scaler, guard, checkpoints, step, log, stop, profiler, timer = training
     if step == 0:  # the starting model on the held-out prompts: what RL improves on
-        log.write({"step": 0, **validation_reward(raw_model, val_loader, rewarder, cfg, tokenizer, run, toolbox)})
-    timer = StepTimer(run, cfg.peak_flops, step, max_steps, PHASES)
+        with timer.paused():
+            log.write({"step": 0, **validation_reward(raw_model, val_loader, rewarder, cfg, tokenizer, run, toolbox)})
 
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))

@@ -14,10 +14,10 @@ from config import PretrainConfig, load_config
 from data import pretrain_loaders
 from errors import ConfigError, cli
 from losses import count_token_bytes, perplexity, validation_loss
-from metrics import MetricsLog, StepTimer, experts_row, start_profiler
+from metrics import experts_row
 from model import ModelConfig, Transformer, aux_loss
 from optim import get_lr, schedule_length, set_lr
-from runtime import StopSignal, all_reduce_mean, print0, print_run, setup, teardown, wrap
+from runtime import all_reduce_mean, print0, print_run, setup, teardown
 from tokenizer import load_tokenizer
 
 
@@ -36,11 +36,8 @@ def main(argv: list[str]):
     print0(f"{model.num_params():,} parameters" +
            (f", {model.num_params(active=True):,} of them active per token" if model_cfg.n_experts else ""))
     best = EarlyStopping()  # no patience: it only tracks the best validation loss
-    optimizer, scaler, guard, checkpoints = prepare_training(cfg, model_cfg, "pretrain", run, model, loader, best)
-    step = checkpoints.resume(resume_from)
-    raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
-    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(run), start_profiler(cfg, run)
-    timer = StepTimer(run, cfg.peak_flops, step, max_steps)
+    training = prepare_training(cfg, "pretrain", run, model, loader, best, resume_from, max_steps)
+    model, raw_model, optimizer, scaler, guard, checkpoints, step, log, stop, profiler, timer = training
     token_bytes = count_token_bytes(tokenizer)  # for val_bpb
 
     while step < max_steps:

@@ -16,11 +16,11 @@ from config import RewardConfig, load_config
 from data import dpo_loaders
 from errors import cli
 from losses import evaluate
-from metrics import MetricsLog, StepTimer, experts_row, start_profiler
+from metrics import experts_row
 from model import aux_loss
 from optim import get_lr, schedule_length, set_lr
 from reward_model import RewardModel, batch_scores, bradley_terry_loss
-from runtime import StopSignal, all_reduce_mean, print0, print_run, setup, teardown, wrap
+from runtime import all_reduce_mean, print0, print_run, setup, teardown
 from tokenizer import load_tokenizer
 
 METRICS = ["pair_acc", "reward_margin", "chosen_reward", "rejected_reward"]
@@ -61,11 +61,8 @@ def main(argv: list[str]):
     model = RewardModel(body)
 
     early = EarlyStopping(cfg.early_stopping_patience, cfg.early_stopping_threshold)
-    optimizer, scaler, guard, checkpoints = prepare_training(cfg, model_cfg, "reward", run, model, loader, early)
-    step = checkpoints.resume(resume_from)
-    raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
-    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(run), start_profiler(cfg, run)
-    timer = StepTimer(run, cfg.peak_flops, step, max_steps)
+    training = prepare_training(cfg, "reward", run, model, loader, early, resume_from, max_steps)
+    model, raw_model, optimizer, scaler, guard, checkpoints, step, log, stop, profiler, timer = training
 
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))

@@ -13,10 +13,10 @@ from config import SFTConfig, load_config
 from data import sft_loaders
 from errors import ConfigError, cli
 from losses import count_token_bytes, perplexity, validation_loss
-from metrics import MetricsLog, StepTimer, experts_row, start_profiler
+from metrics import experts_row
 from model import aux_loss
 from optim import get_lr, schedule_length, set_lr
-from runtime import StopSignal, all_reduce_mean, all_reduce_sum, print0, print_run, setup, teardown, wrap
+from runtime import all_reduce_mean, all_reduce_sum, print0, print_run, setup, teardown
 from tokenizer import load_tokenizer
 
 
@@ -34,14 +34,12 @@ def main(argv: list[str]):
     max_steps, warmup_steps, steps_per_epoch = schedule_length(cfg, loader, val_loader, run)
 
     early = EarlyStopping(cfg.early_stopping_patience, cfg.early_stopping_threshold)
-    optimizer, scaler, guard, checkpoints = prepare_training(cfg, model_cfg, "sft", run, model, loader, early)
-    step = checkpoints.resume(resume_from)
-    raw_model, model = model, wrap(model, cfg, run)  # raw_model: unwrapped, for saving, evaluation and FLOPs
-    log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(run), start_profiler(cfg, run)
+    training = prepare_training(cfg, "sft", run, model, loader, early, resume_from, max_steps)
+    model, raw_model, optimizer, scaler, guard, checkpoints, step, log, stop, profiler, timer = training
     token_bytes = count_token_bytes(tokenizer)  # for val_bpb
     if step == 0:  # the pretrained model on the validation conversations: what SFT improves on
-        log.write({"step": 0, **validation_loss(raw_model, val_loader, cfg.eval_steps, run, token_bytes)})
-    timer = StepTimer(run, cfg.peak_flops, step, max_steps)
+        with timer.paused():
+            log.write({"step": 0, **validation_loss(raw_model, val_loader, cfg.eval_steps, run, token_bytes)})
 
     while step < max_steps:
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
