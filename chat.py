@@ -9,6 +9,7 @@ import json
 import re
 
 from errors import BadRecord, DataError
+from reply import CALL_END, CALL_START, THINK_END, THINK_START, split_think
 
 
 # -----------------------------------------------------------------------------
@@ -39,7 +40,23 @@ def check_messages(conversations) -> list[dict]:
         for key in ("content", "reasoning_content"):
             if m.get(key) is not None and not isinstance(m[key], str):
                 raise BadRecord(f"message {i}: '{key}' must be a string, got {json_type(m[key])}")
+        if m["role"] == "assistant" and not isinstance(m.get("reasoning_content"), str):
+            check_think_block(i, m.get("content") or "")
     return conversations
+
+
+def check_think_block(i: int, content: str):
+    """An assistant message's content must mean the same to reply.py's grammar (the first </think> ends the think
+    block, a <think> only opens it) and to the template's Jinja (the reasoning from the last <think> to the first
+    </think>, the content after the last </think>); where they differ it is a BadRecord."""
+    n = content.count(THINK_END)
+    if n > 1:
+        raise BadRecord(f"message {i}: its content holds {n} {THINK_END}: a reply's think block ends at the first, "
+                        "and the chat template would drop what lies between them")
+    reasoning, _ = split_think(content)
+    if reasoning is not None and THINK_START in reasoning:
+        raise BadRecord(f"message {i}: its think block holds a {THINK_START} after its start, where the chat "
+                        "template would cut the reasoning")
 
 
 # -----------------------------------------------------------------------------
@@ -113,10 +130,10 @@ def encode_llama2(tokenizer, conversations, system, max_len) -> tuple[list[int],
 TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
                 "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
 TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-                "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-                "<args-json-object>}\n</tool_call><|im_end|>\n")
-GENERATION_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
-THINKING_PROMPT = "<|im_start|>assistant\n<think>\n"
+                f"{CALL_START}{CALL_END} XML tags:\n{CALL_START}\n{{\"name\": <function-name>, \"arguments\": "
+                f"<args-json-object>}}\n{CALL_END}<|im_end|>\n")
+GENERATION_PROMPT = f"<|im_start|>assistant\n{THINK_START}\n\n{THINK_END}\n\n"
+THINKING_PROMPT = f"<|im_start|>assistant\n{THINK_START}\n"
 
 
 def json_field(value, what: str):
@@ -171,10 +188,8 @@ def split_reasoning(message) -> tuple[str, str]:
     content = message.get("content") or ""
     if isinstance(message.get("reasoning_content"), str):
         return message["reasoning_content"], content
-    if "</think>" in content:
-        head, content = content.split("</think>")[0], content.split("</think>")[-1]
-        return head.rstrip("\n").split("<think>")[-1].lstrip("\n"), content.lstrip("\n")
-    return "", content
+    reasoning, content = split_think(content)  # one </think> at most: check_messages refuses more
+    return reasoning or "", content.lstrip("\n") if reasoning is not None else content
 
 
 def markup(text: str, loss: int = 0) -> tuple[str, int, bool]:
@@ -222,14 +237,14 @@ def system_pieces(system: dict | None, tools: list | None) -> list[tuple[str, in
 def assistant_pieces(message: dict) -> list[tuple[str, int, bool]]:
     """An assistant turn: everything it writes carries loss, from <think> to its <|im_end|>."""
     reasoning, content = split_reasoning(message)
-    pieces = [markup("<|im_start|>assistant\n"), markup("<think>\n", 1), data(reasoning.strip("\n"), 1),
-              markup("\n</think>\n\n", 1), data(content.lstrip("\n"), 1)]
+    pieces = [markup("<|im_start|>assistant\n"), markup(f"{THINK_START}\n", 1), data(reasoning.strip("\n"), 1),
+              markup(f"\n{THINK_END}\n\n", 1), data(content.lstrip("\n"), 1)]
     for j, call in enumerate(message.get("tool_calls") or []):
         call, separator = call.get("function", call), [markup("\n", 1)] if j > 0 or content else []
         args = call["arguments"]
         args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        pieces += separator + [markup('<tool_call>\n{"name": "', 1), data(call["name"], 1),
-                               markup('", "arguments": ', 1), data(args, 1), markup("}\n</tool_call>", 1)]
+        pieces += separator + [markup(f'{CALL_START}\n{{"name": "', 1), data(call["name"], 1),
+                               markup('", "arguments": ', 1), data(args, 1), markup(f"}}\n{CALL_END}", 1)]
     return pieces + [markup("<|im_end|>", 1), markup("\n")]
 
 

@@ -7,7 +7,7 @@ reference? -- MiniMind's rule rewards, and a user's own functions.
     answer_reward("3 × 4 = 12, 5 × 6 = 30", ["12", "30"])                   # 1.0: MiniMind's gt list, each found
     load_rewards("answer,calls")         # train_grpo.py's `reward` key: {name: fn(messages, completion, record)}
 
-The final answer is what follows the last </think> (a model thinks first in MiniMind's template). A reference that
+The final answer is what follows the think block (reply.py: it ends at the first </think>). A reference that
 is a number is compared with the answer's last number, as a value ("7.0" and "7", "1,000" and "1000" agree); any
 other reference with the whole answer, ignoring case, surrounding space and end punctuation. A list of references
 (MiniMind's agent data's "gt") scores the fraction of them the answer holds: a number among its numbers, other text
@@ -17,7 +17,8 @@ import re
 
 from chat import json_field
 from errors import BadRecord, ConfigError
-from tools import call_problem, check_tools, user_module, written_calls
+from reply import THINK_END, split_think, written_calls
+from tools import call_problem, check_tools, user_module
 
 # an integer (thousands may be grouped by commas: 1,000), a decimal fraction, a sign
 NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
@@ -25,8 +26,8 @@ END_PUNCTUATION = " \t\r\n.。!！?？,，;；:：\"'“”‘’"
 
 
 def final_answer(completion: str) -> str:
-    """The text after the last </think>, or all of it."""
-    return completion.rsplit("</think>", 1)[-1].strip()
+    """The text after the think block (reply.py's grammar), or all of it, stripped."""
+    return split_think(completion)[1].strip()
 
 
 def as_number(text: str) -> float | None:
@@ -93,10 +94,10 @@ def length_reward(completion: str) -> float:
 def format_reward(completion: str) -> float:
     """For a completion that thinks: +1 for 20-300 characters of thinking (else -0.5), +0.25 for exactly one
     </think> (else -0.25); 0 for one that does not think."""
-    if "</think>" not in completion:
+    thinking, _ = split_think(completion)
+    if thinking is None:
         return 0.0
-    thinking = completion.split("</think>", 1)[0].replace("<think>", "").strip()
-    return (1.0 if 20 <= len(thinking) <= 300 else -0.5) + (0.25 if completion.count("</think>") == 1 else -0.25)
+    return (1.0 if 20 <= len(thinking.strip()) <= 300 else -0.5) + (0.25 if completion.count(THINK_END) == 1 else -0.25)
 
 
 def repetition_reward(completion: str, n: int = 3, cap: float = 0.5) -> float:

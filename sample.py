@@ -20,8 +20,9 @@ import torch
 from checkpoint import load_model
 from engine import Sampling, TextStream, generate, prompt_ids
 from errors import ConfigError, cli
+from reply import CALL_START, Reply
 from runtime import DTYPES, open_device
-from tools import Toolbox, load_toolbox, parse_reply
+from tools import Toolbox, load_toolbox, take_turns
 
 
 def prompt_budget(max_seq_len: int, max_new_tokens: int | None) -> int:
@@ -63,42 +64,71 @@ def answer(model, tokenizer, messages: list[dict], args, budget: int, toolbox: T
            generator: torch.Generator | None = None) -> list[dict]:
     """Answer a conversation that ends with the user's message; returns the messages the answer adds. With a
     toolbox, a turn that calls tools is followed by their results and a new turn from the whole history, up to
-    args.max_turns turns: [assistant + tool_calls, tool, ..., assistant]. The message's own turns are never cut:
-    past the budget they take the prompt alone, and a turn gets what the context has left (as in tools.converse)."""
-    tools = toolbox.schemas if toolbox else None
-    added: list[dict] = []
-    for turn in range(args.max_turns if toolbox else 1):
-        if turn and out is not None:
-            out.write("bot> ")
-        ids = prompt_ids(tokenizer, messages + added, args.system, budget, tools=tools)
-        if toolbox:
-            current = prompt_ids(tokenizer, messages[-1:] + added, args.system, tools=tools)
-            if len(current) >= model.config.max_seq_len:
-                if out is not None:
-                    out.write(f"[stopped] this message, its calls and their results fill the model's context of "
-                              f"{model.config.max_seq_len} tokens\n")
-                break
-            ids = current if len(current) > budget else ids
-        text = respond(model, tokenizer, ids, args, out, generator)
-        reply = parse_reply(text) if toolbox else None
-        if reply and reply.malformed and out is not None:
-            out.write(f"[malformed] {reply.malformed} <tool_call> block(s) that are not a call: kept as text\n")
-        if not reply or not reply.calls:
-            return added + [{"role": "assistant", "content": text or "..."}]
-        said = {"role": "assistant", "content": reply.content, "tool_calls": reply.calls}
-        added.append(said | ({"reasoning_content": reply.reasoning} if reply.reasoning else {}))
-        if turn + 1 == args.max_turns:
-            if out is not None:
-                out.write(f"[stopped] {args.max_turns} turns and still calling tools: these calls were not run "
-                          "(--max_turns)\n")
-            break
-        for call in reply.calls:
-            result = toolbox.run(call["name"], call["arguments"])
-            if out is not None:
-                out.write(f"[call] {call['name']}({json.dumps(call['arguments'], ensure_ascii=False)})\n"
-                          f"[result] {result}\n")
-            added.append({"role": "tool", "content": result})
-    return added
+    args.max_turns turns (tools.take_turns): [assistant + tool_calls, tool, ..., assistant]."""
+    if toolbox is None:
+        text = respond(model, tokenizer, prompt_ids(tokenizer, messages, args.system, budget), args, out, generator)
+        return [{"role": "assistant", "content": text or "..."}]
+    chat = PrintedTurns(model, tokenizer, messages, args, budget, toolbox, out, generator)
+    if chat.ids is None:
+        chat.end(chat, "length", None)
+    else:
+        take_turns([chat], toolbox, args.max_turns, chat)
+    return chat.added
+
+
+class PrintedTurns:
+    """The CLI's side of tools.take_turns, for one conversation (its own chat): a turn is prompted from the whole
+    history as messages and streamed to out (respond), each call and its result shown. The message's own turns are
+    never cut: past the budget they take the prompt alone, and a turn gets what the context has left (as in
+    tools.converse)."""
+
+    def __init__(self, model, tokenizer, messages: list[dict], args, budget: int, toolbox: Toolbox, out, generator):
+        self.model, self.tokenizer, self.messages, self.args, self.budget = model, tokenizer, messages, args, budget
+        self.tools, self.out, self.generator = toolbox.schemas, out, generator
+        self.added: list[dict] = []  # what the answer adds to the messages
+        self.text = ""  # the last turn's text
+        self.ids = self.prompt()
+
+    def prompt(self) -> list[int] | None:
+        """The next turn's prompt, or None when this message's turns alone fill the model's context."""
+        ids = prompt_ids(self.tokenizer, self.messages + self.added, self.args.system, self.budget, tools=self.tools)
+        current = prompt_ids(self.tokenizer, self.messages[-1:] + self.added, self.args.system, tools=self.tools)
+        if len(current) >= self.model.config.max_seq_len:
+            return None
+        return current if len(current) > self.budget else ids
+
+    def show(self, text: str):
+        if self.out is not None:
+            self.out.write(text)
+
+    def write(self, chats) -> list[tuple[str, str]]:
+        self.text = respond(self.model, self.tokenizer, self.ids, self.args, self.out, self.generator)
+        return [(self.text, "stop")]  # the CLI goes on from a turn however it ended (Ctrl-C, --max_new_tokens)
+
+    def wrote(self, chat, text: str, reply: Reply):
+        if reply.malformed:
+            self.show(f"[malformed] {reply.malformed} {CALL_START} block(s) that are not a call: kept as text\n")
+
+    def read(self, chat, reply: Reply, results: list[str]) -> bool:
+        self.added.append(reply.as_message())
+        for call, result in zip(reply.calls, results):
+            self.show(f"[call] {call['name']}({json.dumps(call['arguments'], ensure_ascii=False)})\n"
+                      f"[result] {result}\n")
+            self.added.append({"role": "tool", "content": result})
+        self.show("bot> ")
+        self.ids = self.prompt()
+        return self.ids is not None
+
+    def end(self, chat, reason: str, reply: Reply | None):
+        if reason == "turns":
+            self.added.append(reply.as_message())
+            self.show(f"[stopped] {self.args.max_turns} turns and still calling tools: these calls were not run "
+                      "(--max_turns)\n")
+        elif reason == "length":
+            self.show(f"[stopped] this message, its calls and their results fill the model's context of "
+                      f"{self.model.config.max_seq_len} tokens\n")
+        else:
+            self.added.append({"role": "assistant", "content": self.text or "..."})
 
 
 def chat_loop(model, tokenizer, args, chat: bool, read=input, out=sys.stdout,

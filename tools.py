@@ -1,15 +1,12 @@
 """
-Tool use: the calls a model writes, the tools that answer them, and generation that runs them between turns.
+Tool use: the tools that answer the calls a model writes (reply.py parses them), and the one loop that runs them
+between turns -- a turn, its calls run, their results appended, the next turn.
 
-    reply = parse_reply(text)              # -> Reply(reasoning, content, calls, malformed)
     toolbox = load_toolbox("builtin")      # calculate_math, unit_converter, get_current_time; or a file.py / module
     toolbox.run("calculate_math", {"expression": "37*48"})    # -> '{"result": 1776}'
     converse(model, tokenizer, [(ids, messages, sampling)], toolbox, max_turns=3, max_new_tokens=64)
+    take_turns(chats, toolbox, max_turns, side)     # the loop itself: converse's, and sample.py's chat
 
-In MiniMind's template a call is a JSON object inside <tool_call></tool_call>:
-    <tool_call>\\n{"name": "calculate_math", "arguments": {"expression": "37*48"}}\\n</tool_call>
-A block whose JSON is broken, or is not {name, arguments: object}, is not a call: it stays in the reply's
-content and is counted as malformed (a server returns it as text, a reward can punish it).
 The calculator parses arithmetic with ast and evaluates the tree itself: numbers, + - * / // % **, parentheses
 -- never eval, so nothing but arithmetic ever runs.
 """
@@ -23,85 +20,13 @@ import json
 import math
 import operator
 import os
-import re
 import traceback
 import zoneinfo
 
 from chat import tool_results_ids
-from engine import Row, answer_text, decode
+from engine import Row, Sampling, answer_text, decode
 from errors import ConfigError, DataError
-
-CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
-
-
-@dataclasses.dataclass
-class Reply:
-    """An assistant turn's text taken apart."""
-    reasoning: str | None  # the think block's text (None: the turn has none)
-    content: str  # what is left for the user: the text without the think block and without its calls
-    calls: list[dict]  # [{"name": str, "arguments": dict}] in the order written
-    malformed: int  # <tool_call> blocks that are not calls (they stay in content), an unclosed one included
-
-
-def as_call(value) -> dict | None:
-    """{"name", "arguments": an object or its JSON text} (or OpenAI's {"function": {...}}) -> {"name", "arguments":
-    dict}, or None when it is not a call."""
-    value = value.get("function", value) if isinstance(value, dict) else value
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not NAME.fullmatch(value["name"]):
-        return None
-    arguments = value.get("arguments", {})
-    if isinstance(arguments, str):  # a model may write the arguments as a JSON string, as OpenAI's wire format does
-        try:
-            arguments = json.loads(arguments)
-        except (ValueError, RecursionError):
-            return None
-    return {"name": value["name"], "arguments": arguments} if isinstance(arguments, dict) else None
-
-
-def parse_call(block: str) -> dict | None:
-    """The text inside <tool_call></tool_call> -> {"name", "arguments": dict}, or None when it is not a call."""
-    try:
-        return as_call(json.loads(block))
-    except (ValueError, RecursionError):  # not JSON; a number of over 4300 digits; nested too deeply
-        return None
-
-
-def parse_reply(text: str) -> Reply:
-    """A generated turn -> its think block, its calls and the rest. The think block is what comes before the
-    last </think> (the generation prompt opened it, or the model wrote <think> itself)."""
-    reasoning = None
-    if "</think>" in text:
-        head, text = text.rsplit("</think>", 1)
-        reasoning = head.split("<think>")[-1].strip("\n")
-    calls, kept, malformed, end = [], [], 0, 0
-    for match in CALL.finditer(text):
-        call = parse_call(match.group(1).strip())
-        kept.append(text[end : match.start()] if call else text[end : match.end()])
-        malformed += call is None
-        calls += [call] if call else []
-        end = match.end()
-    rest = text[end:]
-    malformed += "<tool_call>" in rest  # a call that never closed
-    return Reply(reasoning, ("".join(kept) + rest).strip(), calls, malformed)
-
-
-def written_calls(turns: list[dict], last: str) -> tuple[list[dict], int]:
-    """The calls a conversation's turns wrote -> (the calls, {"name", "arguments": dict}, in order; the blocks
-    that were not calls). turns: its messages after the prompt (their assistant tool_calls and content); last: the
-    last turn's text, whose calls were never run."""
-    written = [as_call(c) for m in turns if m.get("role") == "assistant" for c in m.get("tool_calls") or []]
-    replies = [parse_reply(m.get("content") or "") for m in turns if m.get("role") == "assistant"]
-    replies.append(parse_reply(last))
-    calls = [c for c in written if c is not None] + replies[-1].calls
-    return calls, written.count(None) + sum(r.malformed for r in replies)
-
-
-def call_text(call: dict) -> str:
-    """A call as the template writes it (and a model trained on it does)."""
-    arguments = json.dumps(call["arguments"], ensure_ascii=False)
-    return f'<tool_call>\n{{"name": "{call["name"]}", "arguments": {arguments}}}\n</tool_call>'
-
+from reply import NAME, Reply, parse_reply
 
 # -----------------------------------------------------------------------------
 # tool descriptions (OpenAI's function schema)
@@ -362,7 +287,34 @@ def load_toolbox(spec: str) -> Toolbox:
 
 
 # -----------------------------------------------------------------------------
-# generation with tools: a turn, its calls run, their results appended, the next turn, ...
+# the tool loop: a turn, its calls run, their results appended, the next turn, ...
+
+def take_turns(chats: list, toolbox: Toolbox, max_turns: int, side) -> None:
+    """Carry conversations on with tools, all at once, up to max_turns turns each. side says what a turn is and
+    what each step leaves:
+        side.write(chats) -> [(text, finish reason)]   a turn of every chat going on, generated together
+        side.wrote(chat, text, reply)                   each turn, taken apart (reply.parse_reply)
+        side.read(chat, reply, results) -> bool         the calls' results, in order: False when no room is left
+        side.end(chat, reason, reply)                   "stop" or "length" (the turn's own, or no room left), or
+                                                        "turns" (the last turn still calling; its calls never run)
+    A turn that stops with calls has them run (toolbox.run, in order) and the chat goes on from their results."""
+    for turn in range(max_turns):
+        if not chats:
+            break
+        going_on = []
+        for chat, (text, finish) in zip(chats, side.write(chats)):
+            reply = parse_reply(text)
+            side.wrote(chat, text, reply)
+            if finish != "stop" or not reply.calls:
+                side.end(chat, finish, reply)
+            elif turn + 1 == max_turns:
+                side.end(chat, "turns", reply)
+            elif side.read(chat, reply, [toolbox.run(call["name"], call["arguments"]) for call in reply.calls]):
+                going_on.append(chat)
+            else:
+                side.end(chat, "length", reply)
+        chats = going_on
+
 
 @dataclasses.dataclass
 class Trajectory:
@@ -377,6 +329,46 @@ class Trajectory:
     malformed: int = 0  # <tool_call> blocks over all turns that were not calls
     turns: int = 0
     finish_reason: str | None = None  # "stop" (answered), "length" (a turn or the context ran out), "turns"
+    sampling: Sampling | None = dataclasses.field(default=None, repr=False, compare=False)  # how its turns draw
+
+
+class DecodedTurns:
+    """converse's side of take_turns: Trajectory chats, each turn decoded with the others' (engine.decode) and
+    the results appended as ids, so the ids are the ones the model wrote and read."""
+
+    def __init__(self, model, tokenizer, max_new_tokens: int, thinking: bool):
+        self.model, self.tokenizer, self.max_new_tokens, self.thinking = model, tokenizer, max_new_tokens, thinking
+        self.max_len = model.config.max_seq_len
+
+    def write(self, chats: list[Trajectory]) -> list[tuple[str, str]]:
+        rows = []
+        for t in chats:
+            context = t.prompt + t.ids
+            rows.append(Row(context, min(self.max_new_tokens, self.max_len - len(context)), t.sampling,
+                            self.tokenizer.eos_id))
+        decode(self.model, rows)
+        for t, row in zip(chats, rows):
+            t.ids += row.tokens
+            t.generated += [1] * len(row.tokens)
+            t.turns += 1
+        return [(answer_text(self.tokenizer, row), row.finish_reason) for row in rows]
+
+    def wrote(self, t: Trajectory, text: str, reply: Reply):
+        t.text = text
+        t.malformed += reply.malformed
+
+    def read(self, t: Trajectory, reply: Reply, results: list[str]) -> bool:
+        more = tool_results_ids(self.tokenizer, results, self.thinking)
+        if len(t.prompt) + len(t.ids) + len(more) >= self.max_len:  # no room left to answer
+            return False
+        t.messages += [reply.as_message()] + [{"role": "tool", "content": r} for r in results]
+        t.ids += more
+        t.generated += [0] * len(more)
+        t.calls += len(reply.calls)
+        return True
+
+    def end(self, t: Trajectory, reason: str, reply: Reply):
+        t.finish_reason = reason
 
 
 def converse(model, tokenizer, prompts: list[tuple], toolbox: Toolbox, max_turns: int, max_new_tokens: int,
@@ -385,43 +377,10 @@ def converse(model, tokenizer, prompts: list[tuple], toolbox: Toolbox, max_turns
     the others' (engine.decode); a turn that ends by calling tools gets their results (toolbox.run) and goes on,
     up to max_turns turns, each of at most max_new_tokens within the model's context. Rows that share a Sampling
     draw in a fixed order of their own (prompt length, then place), whatever else decodes beside them."""
-    max_len = model.config.max_seq_len
-    trajectories = [Trajectory(list(ids), list(messages)) for ids, messages, _ in prompts]
-    active = [i for i, t in enumerate(trajectories) if len(t.prompt) < max_len]
-    for i in set(range(len(prompts))) - set(active):
-        trajectories[i].finish_reason = "length"
-    for turn in range(max_turns):
-        rows = []
-        for i in active:
-            context = trajectories[i].prompt + trajectories[i].ids
-            rows.append(Row(context, min(max_new_tokens, max_len - len(context)), prompts[i][2], tokenizer.eos_id))
-        if rows:
-            decode(model, rows)
-        going_on = []
-        for i, row in zip(active, rows):
-            t = trajectories[i]
-            t.ids += row.tokens
-            t.generated += [1] * len(row.tokens)
-            t.text, t.turns = answer_text(tokenizer, row), turn + 1
-            reply = parse_reply(t.text)
-            t.malformed += reply.malformed
-            if row.finish_reason != "stop" or not reply.calls:
-                t.finish_reason = row.finish_reason
-                continue
-            if turn + 1 == max_turns:
-                t.finish_reason = "turns"
-                continue
-            results = [toolbox.run(call["name"], call["arguments"]) for call in reply.calls]
-            more = tool_results_ids(tokenizer, results, thinking)
-            if len(t.prompt) + len(t.ids) + len(more) >= max_len:  # no room left to answer
-                t.finish_reason = "length"
-                continue
-            said = {"role": "assistant", "content": reply.content, "tool_calls": reply.calls}
-            t.messages += [said | ({"reasoning_content": reply.reasoning} if reply.reasoning else {})]
-            t.messages += [{"role": "tool", "content": r} for r in results]
-            t.ids += more
-            t.generated += [0] * len(more)
-            t.calls += len(reply.calls)
-            going_on.append(i)
-        active = going_on
+    trajectories = [Trajectory(list(ids), list(messages), sampling=sampling) for ids, messages, sampling in prompts]
+    for t in trajectories:
+        if len(t.prompt) >= model.config.max_seq_len:
+            t.finish_reason = "length"
+    chats = [t for t in trajectories if t.finish_reason is None]
+    take_turns(chats, toolbox, max_turns, DecodedTurns(model, tokenizer, max_new_tokens, thinking))
     return trajectories

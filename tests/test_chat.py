@@ -281,6 +281,25 @@ def test_file_line_of_a_malformed_record(ours, tmp_path):
         tokenize_file(str(path), ours, "sft", processes=1, verbose=False)
 
 
+@pytest.mark.parametrize("content, reason", [
+    ("<think>a</think>b</think>c", "message 1: its content holds 2 </think>"),
+    ("a<think>b</think>c", "message 1: its think block holds a <think> after its start"),
+    ("<think><think>b</think>c", "message 1: its think block holds a <think> after its start"),
+])
+def test_a_reply_the_template_would_read_otherwise_than_reply_py_is_refused(ours, tmp_path, content, reason):
+    """One grammar (reply.py): a think block ends at the first </think>, and only a <think> at its start opens it.
+    The template's Jinja reads these contents otherwise, so ids equal to apply_chat_template's would mean something
+    else to the CLI, the server and the rewards: the record is refused, naming its file:line. Beside
+    reasoning_content the content is not split, and the record is taken."""
+    record = {"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": content}]}
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    with pytest.raises(BadRecord, match=rf"sft\.jsonl:1: {reason}"):
+        tokenize_file(str(path), ours, "sft", processes=1, verbose=False)
+    given = [{"role": "user", "content": "q"}, {"role": "assistant", "content": content, "reasoning_content": "r"}]
+    assert encode_chat(ours, given)[1]
+
+
 def test_the_inst_template_names_chatml_for_tool_data(tok):
     assert tok.chat_template == "llama2"
     with pytest.raises(BadRecord, match="ChatML"):

@@ -266,7 +266,7 @@ def test_batch_4_equals_2_x_accum_2_equals_2_ranks(demo_dir, tiny_sft, tmp_path)
 # --- eval.py pass ------------------------------------------------------------------------------------------
 
 def test_pass_at_k_by_hand():
-    from eval import pass_at_k
+    from tasks.passk import pass_at_k
     assert pass_at_k(8, 2, 1) == 0.25 and pass_at_k(8, 2, 8) == 1.0 and pass_at_k(8, 0, 8) == 0.0
     assert pass_at_k(5, 1, 2) == pytest.approx(1 - 6 / 10)  # 1 - C(4, 2) / C(5, 2)
 

@@ -7,7 +7,7 @@ from rewards import answer_reward, final_answer
 
 def test_the_final_answer_is_what_follows_the_last_think_block():
     assert final_answer("<think>\nmaybe 5\n</think>\n\nIt is 7.") == "It is 7."
-    assert final_answer("<think>a</think>b</think> c ") == "c"
+    assert final_answer("<think>a</think>b</think> c ") == "b</think> c"  # the first </think> ends it: a second is text
     assert final_answer("no thinking here") == "no thinking here"
 
 

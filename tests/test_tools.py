@@ -13,8 +13,9 @@ import tools
 from conftest import run_script
 from errors import ConfigError, DataError
 from model import ModelConfig, Transformer
+from reply import call_text, parse_reply
 from tokenizer import load_tokenizer
-from tools import calculate, call_problem, call_text, check_tools, load_toolbox, parse_reply
+from tools import calculate, call_problem, check_tools, load_toolbox
 
 # -----------------------------------------------------------------------------
 # the calculator
