@@ -20,415 +20,26 @@ import json
 import math
 import os
 import queue
-import secrets
 import select
 import socket
 import sys
-import threading
 import time
 import traceback
 import uuid
-from contextlib import nullcontext
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-import torch
 
 from chat import encode_pieces, markup
 from checkpoint import load_model
-from engine import Engine, Row, Sampling, TextStream, borders, overlap, prompt_ids
+from engine import TextStream, prompt_ids
 from errors import ConfigError, DataError, cli
+from openai_api import (APIError, chat_deltas, chat_message, chat_messages, get, parse_body, sampling_options,
+                        thinking_option, tool_options, usage)
+from reply import ReplyStream
 from runtime import DTYPES, open_device
-from tools import NAME, check_tools, parse_call
+from scheduler import Job, QueueFull, Scheduler
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-MAX_WAITING = 64  # requests queued for a row beyond this get 503: a client should back off rather than time out
-MAX_STOP_CHARS = 500  # each stop string is matched against the answer's end at every token
-
-
-class APIError(Exception):
-    """An error response in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.param, self.code, self.headers = status, param, code, headers or {}
-
-    def body(self) -> dict:
-        kind = self.TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
-
-
-class OutOfRange:
-    """A JSON integer beyond 64 bits: no field takes one, and Python would parse a long one in quadratic time."""
-
-    def __init__(self, digits: str):
-        self.digits = digits
-
-
-def parse_int(digits: str):
-    """json.loads's integer parser: an integer no field could take becomes an OutOfRange, for get() to name."""
-    value = int(digits) if len(digits) <= 21 else None
-    return value if value is not None and -2**63 <= value < 2**64 else OutOfRange(digits)
-
-
-# -----------------------------------------------------------------------------
-# a request's options, checked: a wrong type or value is a 400 that names the field
-
-COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "stream",
-          "stream_options", "seed", "n", "user"}
-THINKING = ("enable_thinking", "open_thinking")  # transformers' and MiniMind's names for one switch
-CHAT = {"messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", *THINKING}
-ENDPOINT_FIELDS = {"chat": COMMON | CHAT, "completion": COMMON | {"prompt"}}
-
-
-KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "an object"}
-
-
-def get(body: dict, name: str, kind, default=None):
-    """body[name] if it is of kind (int, float, bool, str, list, dict, or a tuple of them); absent or null ->
-    default."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, OutOfRange):
-        raise APIError(400, f"'{name}' is out of range (a number of {len(value.digits)} digits)", name, "out_of_range")
-    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok, value = True, float(value)
-    if not ok:
-        kinds = " or ".join(KINDS[k] for k in (kind if isinstance(kind, tuple) else (kind,)))
-        shown = KINDS[type(value)] if isinstance(value, (list, dict)) else json.dumps(value)[:40]  # not a deep dump
-        raise APIError(400, f"'{name}' must be {kinds}, got {shown}", name, "invalid_type")
-    return value
-
-
-def sampling_options(body: dict, endpoint: str, model_id: str, device: torch.device) -> dict:
-    unknown = sorted(set(body) - ENDPOINT_FIELDS[endpoint])
-    if unknown:
-        raise APIError(400, f"unsupported parameter '{unknown[0]}' (this server takes: "
-                            f"{', '.join(sorted(ENDPOINT_FIELDS[endpoint]))})", unknown[0], "unsupported_parameter")
-    if get(body, "model", str, model_id) != model_id:
-        raise APIError(404, f"the model '{body['model']}' does not exist; this server serves '{model_id}'",
-                       "model", "model_not_found")
-    if get(body, "n", int, 1) != 1:
-        raise APIError(400, "'n' must be 1: one answer per request", "n")
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = get(body, name, int)
-    if max_tokens is not None and max_tokens <= 0:
-        raise APIError(400, f"'{name}' must be at least 1, got {max_tokens}", name)
-    temperature, top_p = get(body, "temperature", float, 1.0), get(body, "top_p", float, 1.0)
-    if not 0 <= temperature <= 2:
-        raise APIError(400, f"'temperature' must be between 0 and 2, got {temperature}", "temperature")
-    if not 0 < top_p <= 1:
-        raise APIError(400, f"'top_p' must be in (0, 1], got {top_p}", "top_p")
-    stop = get(body, "stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > 4 or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
-        raise APIError(400, f"'stop' must be a string of 1 to {MAX_STOP_CHARS} characters or a list of at most 4 "
-                            "of them", "stop")
-    seed = get(body, "seed", int, secrets.randbits(63))
-    stream_options = get(body, "stream_options", dict, {})
-    sampling = Sampling(temperature, top_p=top_p, generator=torch.Generator(device).manual_seed(seed))  # where it samples
-    return {"max_tokens": max_tokens, "sampling": sampling, "stop": stop, "stream": get(body, "stream", bool, False),
-            "include_usage": get(stream_options, "include_usage", bool, False)}
-
-
-def chat_messages(body: dict) -> list[dict]:
-    """OpenAI messages -> the messages chat.encode_chat takes: content given as text parts is joined; an
-    assistant's tool_calls and a tool message's tool_call_id are checked (the call it answers came before)."""
-    messages = get(body, "messages", list)
-    if not messages:
-        raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
-    out, call_ids = [], set()
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise APIError(400, f"messages[{i}] must be an object", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(p["text"] for p in content)
-        m = {k: v for k, v in m.items() if k != "name"} | {"content": content}
-        if m.get("tool_calls") == []:  # some clients send an empty list on every assistant message
-            del m["tool_calls"]
-        if m.get("tool_calls") is not None:
-            m["tool_calls"] = tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
-            call_ids |= {call["id"] for call in m["tool_calls"]}
-        given = m.get("tool_call_id")
-        if m.get("role") == "tool" and not (isinstance(given, str) and given in call_ids):
-            raise APIError(400, f"messages[{i}].tool_call_id must be the id of a call an earlier assistant message "
-                                f"made; got {json.dumps(given)[:40] if given is not None else 'none'}", "messages")
-        out.append(m)
-    return out
-
-
-def tool_calls(calls, where: str) -> list[dict]:
-    """An assistant message's tool_calls, OpenAI's [{id, type: function, function: {name, arguments: a JSON
-    object as a string}}], checked: the template writes the arguments string as it is."""
-    if not isinstance(calls, list):
-        raise APIError(400, f"{where} must be a list of {{id, type: function, function: {{name, arguments}}}}",
-                       "messages")
-    for j, call in enumerate(calls):
-        at = f"{where}[{j}]"
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or call.get("type", "function") != "function":
-            raise APIError(400, f"{at} must be {{id, type: function, function: {{name, arguments}}}}", "messages")
-        if not isinstance(call.get("id"), str):
-            raise APIError(400, f"{at}.id must be a string (a tool message names it in tool_call_id)", "messages")
-        if not isinstance(fn.get("name"), str) or not NAME.fullmatch(fn["name"]):
-            raise APIError(400, f"{at}.function.name must be 1-64 letters, digits, _ or -", "messages")
-        try:
-            arguments = json.loads(fn.get("arguments")) if isinstance(fn.get("arguments"), str) else None
-        except (ValueError, RecursionError):
-            arguments = None
-        if not isinstance(arguments, dict):
-            raise APIError(400, f"{at}.function.arguments is not a JSON object (a string holding one, as this API "
-                                "returns it)", "messages")
-    return [{"id": c["id"], "type": "function", "function": {"name": c["function"]["name"],
-                                                             "arguments": c["function"]["arguments"]}} for c in calls]
-
-
-def tool_options(body: dict) -> tuple[list | None, bool, str]:
-    """tools and tool_choice -> (the tools to show, whether a reply's calls become tool_calls, the opening of a
-    call that tool_choice forces: the prompt ends with it, so the model can only go on with the call)."""
-    tools = get(body, "tools", list) or None
-    try:
-        functions = check_tools(tools, "tools") if tools else {}
-    except DataError as e:
-        raise APIError(400, str(e), "tools") from None
-
-    def out_of_range(value: OutOfRange):  # the template writes the tools with json.dumps
-        raise APIError(400, f"'tools' holds an integer of {len(value.digits)} digits", "tools", "out_of_range")
-
-    try:
-        json.dumps(tools, default=out_of_range)
-    except RecursionError:
-        raise APIError(400, "'tools' is nested too deeply", "tools") from None
-    get(body, "parallel_tool_calls", bool)  # taken, not enforced: a turn may make one call or several
-    choice = get(body, "tool_choice", (str, dict), "auto")
-    if isinstance(choice, dict):
-        fn = choice.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if choice.get("type") != "function" or not isinstance(name, str):
-            choice = None  # the error below
-        elif name not in functions:
-            raise APIError(400, f"'tool_choice' names the function {json.dumps(name)[:70]}, which is not among "
-                                f"'tools' ({', '.join(functions) or 'none given'})", "tool_choice")
-    if choice not in ("auto", "none", "required") and not isinstance(choice, dict):
-        raise APIError(400, "'tool_choice' must be \"auto\", \"none\", \"required\" or "
-                            "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
-    if choice == "required" and not functions:
-        raise APIError(400, "'tool_choice' \"required\" needs 'tools'", "tool_choice")
-    # a named call's opening ends at "arguments": where the template's text splits into the same tokens
-    opening = {"required": "<tool_call>\n"}.get(choice, "") if isinstance(choice, str) else \
-        f'<tool_call>\n{{"name": "{choice["function"]["name"]}", "arguments":'
-    return tools, bool(functions) and choice != "none", opening
-
-
-def thinking_option(body: dict) -> tuple[bool, str]:
-    """enable_thinking, open_thinking or chat_template_kwargs' either: any true opens the think block -> (on,
-    the field that says so)."""
-    kwargs = get(body, "chat_template_kwargs", dict, {})
-    for key, value in kwargs.items():
-        if key not in THINKING or not isinstance(value, bool):
-            raise APIError(400, f"'chat_template_kwargs.{key[:40]}': this server takes enable_thinking and "
-                                "open_thinking there, each true or false", "chat_template_kwargs")
-    on = [name for name in THINKING if get(body, name, bool, False)] + ["chat_template_kwargs"] * any(kwargs.values())
-    return bool(on), on[0] if on else ""
-
-
-# -----------------------------------------------------------------------------
-# generation: a job per request, one engine thread that decodes every job in one batch
-
-class Job(Row):
-    """One request's row in the engine. The HTTP thread reads `events`: (text, None) as the answer grows, then
-    (text, finish_reason); ("", "error") when generation failed. Setting `cancelled` takes it out of the batch."""
-
-    def __init__(self, prompt: list[int], max_new: int, sampling: Sampling, eos_id: int, text: TextStream):
-        super().__init__(prompt, max_new, sampling, eos_id)
-        self.text = text
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.cancelled = False
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None or self.cancelled
-
-    def append(self, token: int):
-        """Record the next token and tell the client what it adds; a stop string ends the row."""
-        super().append(token)
-        if token == self.eos_id:
-            self.events.put((self.text.finish(), "stop"))
-            return
-        new = self.text.add(token)
-        if self.text.stopped:
-            self.finish_reason = "stop"
-        elif self.finish_reason == "length":
-            new += self.text.finish()
-        self.events.put((new, self.finish_reason))
-
-    def fail(self, error: Exception):
-        super().fail(error)
-        traceback.print_exception(error)
-        self.events.put(("", "error"))
-
-
-class Scheduler:
-    """The engine's thread. Each round it admits the waiting jobs there is room for (each prefilled alone: one
-    prompt length), decodes one token for every row of the batch, and lets the rows that are done, or whose
-    client left, go."""
-
-    def __init__(self, model, max_batch: int, autocast=nullcontext):
-        self.engine, self.autocast = Engine(model, max_batch), autocast
-        self.waiting: queue.Queue = queue.Queue()
-        self.generated = 0  # tokens generated since the start, for /health
-
-    def start(self):
-        threading.Thread(target=self.loop, name="engine", daemon=True).start()
-
-    def submit(self, job: Job):
-        if self.waiting.qsize() >= MAX_WAITING:
-            raise APIError(503, f"the server is busy ({MAX_WAITING} requests are waiting); try again later",
-                           code="server_busy")
-        self.waiting.put(job)
-
-    def loop(self):
-        while True:
-            try:
-                with self.autocast():
-                    self.step()
-            except Exception as e:  # a bug: fail the jobs in flight, keep serving the next ones
-                traceback.print_exc()
-                for job in self.engine.rows:
-                    job.fail(e)
-                self.engine.rows = []
-
-    def step(self):
-        while len(self.engine.rows) < self.engine.max_batch:
-            try:
-                job = self.waiting.get(block=not self.engine.rows)  # idle: sleep until a request comes
-            except queue.Empty:
-                break
-            if not job.cancelled:
-                self.engine.add([job])
-                self.generated += 1
-        self.engine.drop_done()  # the jobs cancelled meanwhile
-        self.generated += len(self.engine.rows)
-        self.engine.step()
-
-
-# -----------------------------------------------------------------------------
-# a chat answer taken apart as it grows: reasoning, content, tool calls
-
-class Trimmed:
-    """Text sent in pieces as if stripped of chars at both ends (None: whitespace, "": nothing): the leading ones
-    dropped, trailing ones held until more text follows them."""
-
-    def __init__(self, chars: str | None):
-        self.chars, self.started, self.held = chars, False, ""
-
-    def add(self, text: str) -> str:
-        text = self.held + text if self.started else text.lstrip(self.chars)
-        body = text.rstrip(self.chars)
-        self.held, self.started = text[len(body):], self.started or bool(body)
-        return body
-
-
-class ReplyStream:
-    """A chat answer's text pieces -> its parts as soon as they are certain: ("reasoning", text) before </think>
-    (thinking on: the prompt opened the block), ("content", text), and ("call", {index, id, name, arguments}) for
-    each <tool_call> block that is a call (calls on; tools.parse_call's rule: a broken one stays content).
-    Text that may still become </think> or a call is held back. The parts join to what tools.parse_reply makes
-    of the whole text (with one think block); a plain answer is taken apart here too, so it is its stream's."""
-
-    THINK_END, OPEN, CLOSE = "</think>", "<tool_call>", "</tool_call>"
-    BORDERS = {THINK_END: borders(THINK_END), OPEN: borders(OPEN)}
-
-    def __init__(self, thinking: bool = False, calls: bool = False, opening: str = ""):
-        self.thinking, self.calls = thinking, calls
-        self.in_think = thinking
-        self.pending = opening  # text not yet sent: a forced call's opening (the prompt ends with it) comes first
-        # taken apart, content is stripped (as parse_reply strips it); otherwise it is the text as generated
-        self.trimmed = {"reasoning": Trimmed("\n"), "content": Trimmed(None if thinking or calls else "")}
-        self.n_calls = 0
-
-    def feed(self, text: str) -> list[tuple[str, str | dict]]:
-        self.pending += text
-        parts = []
-        if self.in_think:
-            end = self.pending.find(self.THINK_END)
-            if end < 0:
-                return self.send("reasoning", len(self.pending) - self.may_begin(self.THINK_END))
-            parts += self.send("reasoning", end)
-            self.pending, self.in_think = self.pending[len(self.THINK_END):], False
-        while self.calls and (start := self.pending.find(self.OPEN)) >= 0:
-            parts += self.send("content", start)
-            end = self.pending.find(self.CLOSE)  # the first one after the opening, as parse_reply's regex matches
-            if end < 0:
-                return parts  # held until its </tool_call> comes
-            block, self.pending = self.pending[: end + len(self.CLOSE)], self.pending[end + len(self.CLOSE):]
-            try:
-                call = parse_call(block[len(self.OPEN) : -len(self.CLOSE)].strip())
-            except (ValueError, RecursionError):  # a number past int's digit limit, JSON nested too deep
-                call = None
-            if call is None:
-                parts += self.trim("content", block)
-                continue
-            self.n_calls += 1
-            parts.append(("call", {"index": self.n_calls - 1, "id": f"call_{uuid.uuid4().hex[:24]}",
-                                   "name": call["name"],
-                                   "arguments": json.dumps(call["arguments"], ensure_ascii=False)}))
-        return parts + self.send("content", len(self.pending) - (self.may_begin(self.OPEN) if self.calls else 0))
-
-    def finish(self) -> list[tuple[str, str]]:
-        """What is left when the answer ends: an unclosed think block is reasoning, an unclosed call content."""
-        return self.send("reasoning" if self.in_think else "content", len(self.pending))
-
-    def finish_reason(self, finish: str) -> str:
-        return "tool_calls" if self.n_calls and finish == "stop" else finish
-
-    def may_begin(self, marker: str) -> int:
-        """The length of the pending text's end that may be the beginning of marker."""
-        return overlap(self.pending, marker, self.BORDERS[marker])
-
-    def send(self, kind: str, n: int) -> list[tuple[str, str]]:
-        text, self.pending = self.pending[:n], self.pending[n:]
-        return self.trim(kind, text)
-
-    def trim(self, kind: str, text: str) -> list[tuple[str, str]]:
-        text = self.trimmed[kind].add(text)
-        return [(kind, text)] if text else []
-
-
-def chat_message(parts: list[tuple], thinking: bool) -> dict:
-    """A whole answer's parts -> OpenAI's assistant message: content (null beside calls when empty),
-    reasoning_content (thinking on), tool_calls."""
-    text = {kind: "".join(v for k, v in parts if k == kind) for kind in ("reasoning", "content")}
-    calls = [v for k, v in parts if k == "call"]
-    message = {"role": "assistant", "content": text["content"] or (None if calls else "")}
-    if thinking:
-        message["reasoning_content"] = text["reasoning"]
-    if calls:
-        message["tool_calls"] = [{"id": c["id"], "type": "function",
-                                  "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
-    return message
-
-
-def chat_deltas(parts: list[tuple]) -> list[dict]:
-    """Parts -> OpenAI's chunk deltas; a call goes out as its index, id and name, then its arguments."""
-    deltas = []
-    for kind, value in parts:
-        if kind == "call":
-            deltas += [{"tool_calls": [{"index": value["index"], "id": value["id"], "type": "function",
-                                        "function": {"name": value["name"], "arguments": ""}}]},
-                       {"tool_calls": [{"index": value["index"], "function": {"arguments": value["arguments"]}}]}]
-        else:
-            deltas.append({"reasoning_content" if kind == "reasoning" else "content": value})
-    return deltas
 
 
 # -----------------------------------------------------------------------------
@@ -490,7 +101,11 @@ class App:
         max_new = min(options["max_tokens"] or room, room)  # the context running out ends it with "length"
         job = Job(prompt, max_new, options["sampling"], self.tokenizer.eos_id,
                   TextStream(self.tokenizer, options["stop"], strip=endpoint == "chat"))
-        self.scheduler.submit(job)
+        try:
+            self.scheduler.submit(job)
+        except QueueFull as e:
+            raise APIError(503, f"the server is busy ({e.waiting} requests are waiting); try again later",
+                           code="server_busy") from None
         return job, options
 
 
@@ -501,11 +116,11 @@ class Handler(BaseHTTPRequestHandler):
     default_request_version = "HTTP/1.0"  # a request line without a version still gets a status line and headers
     ROUTES = {("GET", "/"): "page", ("GET", "/health"): "health", ("GET", "/v1/models"): "models",
               ("POST", "/v1/chat/completions"): "chat", ("POST", "/v1/completions"): "completion"}
-    committed = False  # the status line has gone out
-    filler = b" "  # what a probe of a half-closed client writes: whitespace before JSON, or an SSE comment
 
     def setup(self):
         self.timeout = self.server.app.timeout  # a send or receive stalled this long drops the connection
+        self.committed = False  # the status line has gone out
+        self.filler = b" "  # what a probe of a half-closed client writes: whitespace before JSON, or an SSE comment
         super().setup()
 
     def do_GET(self):
@@ -531,9 +146,7 @@ class Handler(BaseHTTPRequestHandler):
             if name == "page":
                 self.send(200, app.page, "text/html; charset=utf-8")
             elif name == "health":
-                scheduler = app.scheduler
-                self.send_json(200, {"status": "ok", "model": app.model_id, "running": len(scheduler.engine.rows),
-                                     "waiting": scheduler.waiting.qsize(), "generated_tokens": scheduler.generated})
+                self.send_json(200, {"status": "ok", "model": app.model_id, **app.scheduler.load()})
             elif name == "models":
                 self.send_json(200, {"object": "list", "data": [{"id": app.model_id, "object": "model",
                                                                  "created": app.created, "owned_by": "nanomind"}]})
@@ -541,7 +154,7 @@ class Handler(BaseHTTPRequestHandler):
                 if self.headers.get_content_type() != "application/json":  # a browser's form or text/plain POST
                     raise APIError(415, "the body must be JSON sent with 'Content-Type: application/json'",
                                    "Content-Type", "unsupported_media_type")
-                self.complete(name, self.parse(raw))
+                self.complete(name, parse_body(raw))
         except APIError as e:
             self.send_json(e.status, e.body(), e.headers)
         except OSError:  # the client went away while we wrote to it
@@ -588,18 +201,6 @@ class Handler(BaseHTTPRequestHandler):
             raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
-    @staticmethod
-    def parse(raw: bytes) -> dict:
-        try:
-            body = json.loads(raw, parse_int=parse_int)
-        except RecursionError:
-            raise APIError(400, "the body is not valid JSON: nested too deeply", code="invalid_json") from None
-        except ValueError as e:  # not UTF-8, not JSON
-            raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object", code="invalid_json")
-        return body
-
     def complete(self, endpoint: str, body: dict):
         job, options = self.server.app.submit(endpoint, body)
         chat = endpoint == "chat"
@@ -621,7 +222,7 @@ class Handler(BaseHTTPRequestHandler):
         else:
             choice = {"text": answer}
         self.send_json(200, {**head, "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish}],
-                             "usage": usage(job)})
+                             "usage": usage(len(job.prompt), len(job.tokens))})
 
     def stream(self, job: Job, head: dict, reply: ReplyStream | None, include_usage: bool):
         """Server-sent events: chunks of the answer as it grows (a chat answer's taken apart by reply), one with
@@ -652,7 +253,7 @@ class Handler(BaseHTTPRequestHandler):
             if job.cancelled:
                 return
             if include_usage:
-                self.event({**head, "choices": [], "usage": usage(job)})
+                self.event({**head, "choices": [], "usage": usage(len(job.prompt), len(job.tokens))})
             self.wfile.write(b"data: [DONE]\n\n")
         except APIError as e:  # the status line has gone out: the error goes as an event
             self.event(e.body())
@@ -714,12 +315,6 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header(key, value)
         self.end_headers()
         self.committed = True
-
-
-def usage(job: Job) -> dict:
-    """Token counts: the prompt as encoded, and every token generated, the end-of-turn token included."""
-    return {"prompt_tokens": len(job.prompt), "completion_tokens": len(job.tokens),
-            "total_tokens": len(job.prompt) + len(job.tokens)}
 
 
 class Server(ThreadingHTTPServer):

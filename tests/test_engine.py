@@ -1,5 +1,7 @@
 """engine.py: the KV cache against full forwards, the engine's rows against each row alone and against
 recomputation, sampling, and the text a stream may show."""
+import random
+
 import pytest
 import torch
 
@@ -8,7 +10,8 @@ from conftest import tiny
 from engine import (Engine, KVCache, Row, Sampling, TextStream, borders, complete, generate, overlap, prompt_ids,
                     sample_next)
 from model import Transformer
-from tokenizer import load_tokenizer
+from openai_api import MAX_STOP_CHARS
+from tokenizer import NANOMIND_DIR, load_tokenizer
 
 # the math path in one tile (T <= 64 here) and in tiles of 8 and 4 rows, the last one shorter
 TILES = [(True, 64), (False, 64), (False, 8), (False, 4)]
@@ -234,6 +237,14 @@ def test_a_row_whose_sampling_fails_fails_alone():
         run(model, [prompts[0]], 6, sampling=samplings[1])
 
 
+def test_generate_takes_prompts_of_any_lengths_and_each_gets_what_it_gets_alone():
+    model = sharpen(tiny()).eval()
+    prompts = [ids(model, B=1, T=n, seed=n)[0].tolist() for n in (5, 3, 5, 8)]
+    assert run(model, prompts, 10) == [alone(model, p, 10) for p in prompts]
+    with pytest.raises(ValueError, match="one length"):  # the reference recomputes whole rows: one length
+        run(model, prompts, 10, use_cache=False)
+
+
 def test_complete_answers_each_prompt_as_it_would_be_answered_alone():
     model, tokenizer = sharpen(tiny(vocab_size=6400)).eval(), load_tokenizer()
     prompts = [prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in ("Hi", "Where is Kenya?", "Ho")]
@@ -292,10 +303,8 @@ class Counted(str):
 
 
 def test_holding_back_a_stop_string_s_start_reads_it_a_bounded_number_of_times():
-    import serve
-
     tokenizer = load_tokenizer()
-    n = serve.MAX_STOP_CHARS
+    n = MAX_STOP_CHARS
     stops = [Counted("a" * (n - 1) + "b"), Counted("ab" * (n // 2 - 1) + "ac"), Counted("a" * (n - 2) + "ba"),
              Counted("ba" * (n // 2))]  # long runs of what the text repeats: the worst case of trying each prefix
     text = tokenizer.encode("a" * (n + 200))
@@ -317,3 +326,98 @@ def test_held_back_text_is_the_longest_start_of_a_stop_string_it_ends_with():
                       for n in torch.randint(1, 12, (2,), generator=g).tolist())
         brute = max([k for k in range(1, len(stop)) if text.endswith(stop[:k])], default=0)
         assert overlap(text, stop, borders(stop)) == brute, (text, stop)
+
+
+class FullDecode:
+    """The naive reference of TextStream: every token decodes the whole reply again and reads all of its text."""
+
+    def __init__(self, tokenizer, stop: list[str], strip: bool):
+        self.tokenizer, self.stop, self.strip = tokenizer, stop, strip
+        self.ids, self.sent, self.stopped, self.waited = [], "", False, 0
+
+    def text(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        return text.lstrip(" ") if self.strip else text
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.text()
+        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if found:
+            self.stopped = True
+            return self.send(text[: min(found)].rstrip(" ") if self.strip else text[: min(found)])
+        self.waited += 1
+        if text.endswith("\ufffd") and self.waited < 4:
+            return ""
+        self.waited = 0
+        held = max([k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])], default=0)
+        if self.strip:
+            held = max(held, len(text) - len(text.rstrip(" ")))
+        return self.send(text[: len(text) - held])
+
+    def finish(self) -> str:
+        return self.send(self.text().rstrip(" ") if self.strip else self.text())
+
+    def send(self, text: str) -> str:
+        new = text[len(self.sent) :] if text.startswith(self.sent) else ""
+        self.sent += new
+        return new
+
+
+class CountingDecodes:
+    """A tokenizer whose decode counts the ids it is given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids: list[int]) -> str:
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids)
+
+
+MIXED_TEXTS = ["你好，世界！今天天气很好。", " Paris 😀 北京 é ST OP", "👨‍👩‍👧 family  ", "  spaces   around   ",
+               "a b  c\n\n d", "数学：3+4=7。🎉🎉", "<|im_end|> 🇰🇪 naïve"]
+
+
+def stream_pieces(stream, ids: list[int]) -> list[str]:
+    """What a stream sends for ids, token by token up to a stop string, then what finish() sends."""
+    pieces = []
+    for token in ids:
+        pieces.append(stream.add(token))
+        if stream.stopped:
+            break
+    return pieces + [stream.finish()]
+
+
+@pytest.mark.parametrize("vocab", ["minimind", "nanomind"])
+def test_a_text_stream_sends_what_decoding_the_whole_reply_at_every_token_sends(vocab):
+    # random ids (cut characters, completed or never), Chinese text and emoji, and the two mixed; stop strings
+    # from the reply's own text; with and without strip
+    tokenizer = load_tokenizer(NANOMIND_DIR if vocab == "nanomind" else None)
+    cut = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]).endswith("\ufffd")]
+    g = random.Random(0)
+    for _ in range(400):
+        text = tokenizer.encode("".join(g.choice(MIXED_TEXTS) for _ in range(g.randrange(1, 4))))
+        noise = [g.choice(cut) if g.random() < 0.5 else g.randrange(tokenizer.vocab_size) for _ in range(40)]
+        ids = g.choice([noise[: g.randrange(1, 40)], text, text + noise[:5] + text])
+        reply = tokenizer.decode(ids)
+        stop = [reply[i : i + g.randrange(1, 5)] for i in g.sample(range(len(reply)), min(len(reply), g.randrange(3)))]
+        stop = [s for s in stop if "\ufffd" not in s]  # what a client may send
+        strip = g.random() < 0.5
+        expected = stream_pieces(FullDecode(tokenizer, stop, strip), ids)
+        assert stream_pieces(TextStream(tokenizer, stop, strip), ids) == expected, (ids, stop, strip)
+
+
+@pytest.mark.parametrize("vocab", ["minimind", "nanomind"])
+def test_a_text_stream_decodes_a_bounded_number_of_ids_per_token(vocab):
+    tokenizer = load_tokenizer(NANOMIND_DIR if vocab == "nanomind" else None)
+    reply = "".join(MIXED_TEXTS) * 150
+    ids = tokenizer.encode(reply)
+    counting = CountingDecodes(tokenizer)
+    stream, per_token = TextStream(counting, ["STOP", "<|im_start|>"], strip=True), []
+    for token in ids:
+        counting.decoded = 0
+        stream.add(token)
+        per_token.append(counting.decoded)
+    assert len(ids) > 4000 and max(per_token) <= 8  # decoding the whole reply again: up to len(ids) a token
+    assert stream.sent + stream.finish() == reply.strip(" ")

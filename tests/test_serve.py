@@ -262,12 +262,12 @@ def test_a_client_that_goes_away_stops_its_generation(long_server, stream):
 
 def test_a_request_samples_with_a_generator_on_the_model_s_device(monkeypatch):
     """torch.multinomial on a GPU takes only a generator of that GPU: a CPU one failed every sampled request there."""
-    import serve
+    import openai_api
 
     asked = []
     real = torch.Generator
     monkeypatch.setattr(torch, "Generator", lambda *args, **kw: asked.append((args, kw)) or real())
-    serve.sampling_options({**CHAT, "temperature": 0.7}, "chat", "tiny", torch.device("cuda", 1))
+    openai_api.sampling_options({**CHAT, "temperature": 0.7}, "chat", "tiny", torch.device("cuda", 1))
     assert asked == [((torch.device("cuda", 1),), {})]
 
 
@@ -276,7 +276,7 @@ def test_a_chatml_checkpoint_is_served_in_its_own_template(tmp_path):
     (prompt tokens = apply_chat_template's) and answers what greedy decoding alone gives."""
     from transformers import AutoTokenizer
 
-    minimind = os.path.join(REPO, "tokenizer", "minimind")
+    minimind = os.path.join(REPO, "vocab", "minimind")
     tokenizer = load_tokenizer(minimind)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=6400, max_seq_len=128))

@@ -12,10 +12,11 @@ import time
 import pytest
 import torch
 
-import serve
 from conftest import greedy_alone, start_server
 from engine import Sampling, TextStream
 from model import ModelConfig, Transformer
+from openai_api import MAX_STOP_CHARS
+from scheduler import Job, Scheduler
 from tokenizer import load_tokenizer
 
 CHAT = {"messages": [{"role": "user", "content": "What is the capital of Kenya?"}], "max_tokens": 8}
@@ -105,11 +106,11 @@ def test_a_temperature_too_small_to_divide_by_is_greedy_and_harms_no_other_strea
 def test_a_job_whose_sampling_fails_gets_an_error_event_and_the_others_their_answers():
     torch.manual_seed(0)
     model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=64)).eval()
-    scheduler, tokenizer = serve.Scheduler(model, max_batch=3), load_tokenizer()
+    scheduler, tokenizer = Scheduler(model, max_batch=3), load_tokenizer()
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     # the middle job samples with something that is no generator: torch.multinomial raises for it alone
     samplings = [Sampling(0.0), Sampling(1.0, generator="not a generator"), Sampling(0.0)]
-    jobs = [serve.Job(p, 6, s, -1, TextStream(tokenizer, [], strip=False)) for p, s in zip(prompts, samplings)]
+    jobs = [Job(p, 6, s, -1, TextStream(tokenizer, [], strip=False)) for p, s in zip(prompts, samplings)]
     for job in jobs:
         scheduler.submit(job)
     for _ in range(20):  # bounded: 6 tokens each
@@ -126,7 +127,7 @@ def test_a_job_whose_sampling_fails_gets_an_error_event_and_the_others_their_ans
 
 
 def test_stop_strings_are_bounded_and_one_at_the_bound_is_served(port):
-    n = serve.MAX_STOP_CHARS
+    n = MAX_STOP_CHARS
     err = error(*exchange(port, request(body={**CHAT, "stop": ["x" * (n + 1)]})))
     assert err["param"] == "stop" and str(n) in err["message"]
     err = error(*exchange(port, request(body={**CHAT, "stop": ["x"] * 5})))

@@ -14,14 +14,16 @@ import openai
 import pytest
 import torch
 
+import openai_api
 import serve
 from chat import encode_pieces, markup
 from conftest import REPO, start_server
 from model import ModelConfig, Transformer
+from reply import parse_reply
 from tokenizer import load_tokenizer
-from tools import load_toolbox, parse_reply
+from tools import load_toolbox
 
-MINIMIND = os.path.join(REPO, "tokenizer", "minimind")
+MINIMIND = os.path.join(REPO, "vocab", "minimind")
 TOOLBOX = load_toolbox("calculate_math")
 TOOLS = TOOLBOX.schemas
 QUESTION = [{"role": "user", "content": "What is 37 times 48?"}]
@@ -153,7 +155,7 @@ def test_reply_stream_takes_text_apart_as_parse_reply_does_however_it_is_cut():
             end = start + rng.choice([1, 1, 2, 5, 40])
             parts += stream.feed(text[start:end])
             start = end
-        message, expected = serve.chat_message(parts + stream.finish(), thinking), parse_reply(text)
+        message, expected = openai_api.chat_message(parts + stream.finish(), thinking), parse_reply(text)
         calls = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
                  for c in message.get("tool_calls", [])]
         assert (message["content"] or "", calls, message.get("reasoning_content")) == (
