@@ -21,9 +21,11 @@ from chat import encode_chat
 from checkpoint import load_model
 from conftest import REPO, TINY_CONTEXT, TINY_RUN, read_metrics
 from data import Loader, SFTData, pad_rows
+from errors import DataError
 from losses import count_token_bytes, validation_loss
 from model import ModelConfig, Transformer
 from runtime import Run
+from tasks import choice, sft
 from token_cache import load_split
 import tokenizer as tk
 from tokenizer import load_tokenizer
@@ -158,20 +160,20 @@ MIXED_REFS = ["肯尼亚的首都是内罗毕。", "The capital of Peru is Lima.
 
 
 def test_words_split_chinese_by_character_and_other_text_by_word_and_punctuation():
-    assert ev.words("卢旺达的首都是Kigali。It's 3.5 km, ok?") == [
+    assert sft.words("卢旺达的首都是Kigali。It's 3.5 km, ok?") == [
         "卢", "旺", "达", "的", "首", "都", "是", "Kigali", "。", "It", "'", "s", "3", ".", "5", "km", ",", "ok", "?"]
 
 
 def test_bleu4_equals_sacrebleu():
     for hyps, refs in ((HYPS, REFS), (REFS, HYPS), (HYPS[:2], REFS[:2])):  # answers shorter, longer
         expected = sacrebleu.corpus_bleu(hyps, [refs], smooth_method="none").score  # its 13a tokenizer agrees here
-        assert ev.bleu4(hyps, refs) == pytest.approx(expected, abs=1e-9)
-    assert ev.bleu4(HYPS, REFS) not in (0.0, 100.0)
+        assert sft.bleu4(hyps, refs) == pytest.approx(expected, abs=1e-9)
+    assert sft.bleu4(HYPS, REFS) not in (0.0, 100.0)
     # Chinese and punctuation: sacrebleu on our words, joined by spaces
-    joined = lambda texts: [" ".join(ev.words(t)) for t in texts]  # noqa: E731
+    joined = lambda texts: [" ".join(sft.words(t)) for t in texts]  # noqa: E731
     expected = sacrebleu.corpus_bleu(joined(MIXED_HYPS), [joined(MIXED_REFS)], smooth_method="none", tokenize="none")
-    assert ev.bleu4(MIXED_HYPS, MIXED_REFS) == pytest.approx(expected.score, abs=1e-9)
-    assert ev.bleu4(["a b c"], ["x y z w"]) == 0.0
+    assert sft.bleu4(MIXED_HYPS, MIXED_REFS) == pytest.approx(expected.score, abs=1e-9)
+    assert sft.bleu4(["a b c"], ["x y z w"]) == 0.0
 
 
 # rouge-score runs in a process of its own: it imports pandas and pyarrow, whose jemalloc thread can deadlock a
@@ -180,10 +182,10 @@ ROUGE = """
 import json, sys
 from types import SimpleNamespace
 from rouge_score import rouge_scorer
-import eval as ev
+from tasks import sft
 plain, mixed = json.loads(sys.stdin.read())
 scorer = rouge_scorer.RougeScorer(["rougeL"])  # lower-cases and drops punctuation: none in HYPS/REFS
-ours = rouge_scorer.RougeScorer(["rougeL"], tokenizer=SimpleNamespace(tokenize=ev.words))
+ours = rouge_scorer.RougeScorer(["rougeL"], tokenizer=SimpleNamespace(tokenize=sft.words))
 print(json.dumps([[scorer.score(r, h)["rougeL"].fmeasure for h, r in plain],
                   [ours.score(r, h)["rougeL"].fmeasure for h, r in mixed]]))
 """
@@ -196,8 +198,8 @@ def test_rouge_l_equals_rouge_score():
     assert done.returncode == 0, done.stderr[-2000:]
     for expected, these in zip(json.loads(done.stdout), pairs):
         for f, (h, r) in zip(expected, these, strict=True):
-            assert ev.rouge_l(h, r) == pytest.approx(100 * f, abs=1e-9)
-    assert ev.rouge_l("秘鲁在南美洲", "秘鲁位于南美洲") == pytest.approx(100 * 2 * 5 / (6 + 7))
+            assert sft.rouge_l(h, r) == pytest.approx(100 * f, abs=1e-9)
+    assert sft.rouge_l("秘鲁在南美洲", "秘鲁位于南美洲") == pytest.approx(100 * 2 * 5 / (6 + 7))
 
 
 # -----------------------------------------------------------------------------
@@ -225,8 +227,8 @@ def test_sft_eval_perplexity_answers_and_report(tiny_sft, demo_dir, tmp_path):
         assert s["answer"] == sample.respond(model, tok, ids, args).strip()
         assert s["reference"] == r["conversations"][-1]["content"]
     answers, refs = [s["answer"] for s in section["samples"]], [s["reference"] for s in section["samples"]]
-    assert section["bleu4"] == ev.bleu4(answers, refs)
-    assert section["rougeL_f1"] == pytest.approx(sum(map(ev.rouge_l, answers, refs)) / 6)
+    assert section["bleu4"] == sft.bleu4(answers, refs)
+    assert section["rougeL_f1"] == pytest.approx(sum(map(sft.rouge_l, answers, refs)) / 6)
     report = json.load(open(out / "report.json", encoding="utf-8"))
     assert report["sections"]["sft"]["ppl"] == section["ppl"] and report["training"]["steps"] == 150
     md = (out / "report.md").read_text(encoding="utf-8")
@@ -263,14 +265,28 @@ def test_sft_eval_names_a_bad_line(tiny_sft, tmp_path):
     data = write_jsonl(tmp_path / "bad.jsonl", [{"conversations": [{"role": "user", "content": "hi"},
                                                                    {"role": "assistant", "content": "hello"}]},
                                                 {"conversations": [{"role": "user", "content": "no answer"}]}])
-    with pytest.raises(ev.DataError, match=r"bad.jsonl:2: .*ending with the assistant"):
+    with pytest.raises(DataError, match=r"bad.jsonl:2: .*ending with the assistant"):
         ev.main(["sft", f"--ckpt={tiny_sft}", f"--data_path={data}", f"--out={tmp_path}", *CPU])
+
+
+def test_sft_eval_names_a_line_whose_reference_answer_is_null(tmp_path):
+    """MiniMind's ChatML template shows a null content as empty; as the reference answer it is a data error."""
+    ckpt = save_checkpoint(tmp_path / "chatml.pt", tiny_model(max_seq_len=64), stage="sft")
+    state = torch.load(ckpt, weights_only=False)
+    state["config"]["tokenizer_path"] = str(tk.DEFAULT_DIR)
+    torch.save(state, ckpt)
+    data = write_jsonl(tmp_path / "null.jsonl", [{"conversations": [{"role": "user", "content": "hi"},
+                                                                    {"role": "assistant", "content": "hello"}]},
+                                                 {"conversations": [{"role": "user", "content": "hi"},
+                                                                    {"role": "assistant", "content": None}]}])
+    with pytest.raises(DataError, match=r"null.jsonl:2: the last message, the reference answer, needs a string"):
+        ev.main(["sft", f"--ckpt={ckpt}", f"--data_path={data}", f"--out={tmp_path}", *CPU])
 
 
 # -----------------------------------------------------------------------------
 # eval.py choice
 
-Q = ev.Question
+Q = choice.Question
 EXPECTED = {  # the fixture files, read by hand
     "ceval": {"physics": [Q("水在标准大气压下的沸点是多少摄氏度？", ["90", "100", "110", "120"], 1),
                           Q("光在真空中传播的速度约为多少，单位是米每秒？", ["3×10^8", "3×10^6", "340", "1,500"], 0)]},
@@ -289,13 +305,13 @@ SHOTS = {"ceval": Q("力的国际单位是什么？", ["焦耳", "瓦特", "牛�
 SPLIT = {"ceval": "val", "cmmlu": "test", "mmlu": "val", "arc": "val"}
 
 
-def choice_cfg(task, **kw) -> ev.ChoiceConfig:
-    return ev.ChoiceConfig(task=task, data_dir=os.path.join(FIXTURES, task), split=SPLIT[task], **kw)
+def choice_cfg(task, **kw) -> choice.ChoiceConfig:
+    return choice.ChoiceConfig(task=task, data_dir=os.path.join(FIXTURES, task), split=SPLIT[task], **kw)
 
 
 @pytest.mark.parametrize("task", list(EXPECTED))
 def test_choice_files_read_in_each_format(task):
-    tasks = ev.load_task(choice_cfg(task, shots=1))
+    tasks = choice.load_task(choice_cfg(task, shots=1))
     assert {s: qs for s, (qs, _) in tasks.items()} == EXPECTED[task]
     if task in SHOTS:
         assert all(shots == [SHOTS[task]] for _, shots in tasks.values())
@@ -317,7 +333,7 @@ def test_choice_accuracy_per_subject_and_overall_with_a_stub_scorer():
     def stub(rows):
         return [logps[tok.decode([t for t, m in zip(ids, mask) if m]).removeprefix(" ")] for ids, mask in rows]
 
-    results = ev.eval_choice_questions(tasks, stub, tok, "text", "en")
+    results = choice.eval_choice_questions(tasks, stub, tok, "text", "en")
     assert results["A"] == {"n": 2, "acc": 0.5, "acc_norm": 1.0, "chance": pytest.approx((1 / 4 + 1 / 3) / 2)}
     assert results["B"] == {"n": 1, "acc": 0.0, "acc_norm": 0.0, "chance": 0.25}
     assert results["overall"] == {"n": 3, "acc": pytest.approx(1 / 3), "acc_norm": pytest.approx(2 / 3),
@@ -327,8 +343,8 @@ def test_choice_accuracy_per_subject_and_overall_with_a_stub_scorer():
 def test_choice_scores_are_the_rows_log_probs_by_hand():
     tok, model = load_tokenizer(), tiny_model(max_seq_len=64)
     q = EXPECTED["mmlu"]["astronomy"][0]
-    rows = ev.text_rows(tok, q, [SHOTS["mmlu"]], "en")
-    score = ev.model_scorer(model, tok, 3, Run(torch.device("cpu"), "float32"))(rows)  # padded, 2 batches
+    rows = choice.text_rows(tok, q, [SHOTS["mmlu"]], "en")
+    score = choice.model_scorer(model, tok, 3, Run(torch.device("cpu"), "float32"))(rows)  # padded, 2 batches
     for option, (ids, mask), got in zip(q.options, rows, score):
         x = torch.tensor(ids)
         with torch.no_grad():
@@ -342,11 +358,11 @@ def test_a_model_trained_on_the_answers_gets_them_all(tmp_path):
     """A tiny model memorises the right option (text) and letter (chat) of every MMLU fixture question; eval.py
     choice must then find every answer, by both methods; untrained, it does not."""
     tok = load_tokenizer()
-    questions, _ = ev.load_task(choice_cfg("mmlu"))["astronomy"]
+    questions, _ = choice.load_task(choice_cfg("mmlu"))["astronomy"]
     rows = []
     for q in questions:
-        rows.append(ev.text_rows(tok, q, [], "en")[q.answer])
-        rows.append(ev.letter_rows(tok, q, [], "en")[q.answer])
+        rows.append(choice.text_rows(tok, q, [], "en")[q.answer])
+        rows.append(choice.letter_rows(tok, q, [], "en")[q.answer])
     model = tiny_model(max_seq_len=128, seed=1).train()
     X, Y, M = pad_rows([(np.array(i), np.array(m)) for i, m in rows], tok.pad_id)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -369,13 +385,21 @@ def test_a_model_trained_on_the_answers_gets_them_all(tmp_path):
 
 def test_choice_says_where_to_get_missing_files_and_names_bad_rows(tmp_path):
     with pytest.raises(FileNotFoundError, match="huggingface.co/datasets/ceval/ceval-exam"):
-        ev.load_task(ev.ChoiceConfig(task="ceval", data_dir=str(tmp_path / "nowhere")))
+        choice.load_task(choice.ChoiceConfig(task="ceval", data_dir=str(tmp_path / "nowhere")))
     with pytest.raises(FileNotFoundError, match="people.eecs.berkeley.edu"):
-        ev.load_task(ev.ChoiceConfig(task="mmlu", data_dir=str(tmp_path)))
+        choice.load_task(choice.ChoiceConfig(task="mmlu", data_dir=str(tmp_path)))
     os.makedirs(tmp_path / "test")
     (tmp_path / "test" / "law_test.csv").write_text("id,question,A,B,C,D,answer\n0,q,a,b,c,d,\n", encoding="utf-8")
-    with pytest.raises(ev.DataError, match=r"law_test.csv:2: answer '' .*--split=val"):
-        ev.load_task(ev.ChoiceConfig(task="ceval", data_dir=str(tmp_path), split="test"))
+    with pytest.raises(DataError, match=r"law_test.csv:2: answer '' .*--split=val"):
+        choice.load_task(choice.ChoiceConfig(task="ceval", data_dir=str(tmp_path), split="test"))
+    good = {"question": {"stem": "q", "choices": [{"text": "a", "label": "A"}, {"text": "b", "label": "B"}]},
+            "answerKey": "B"}
+    for bad, what in [(good | {"answerKey": "C"}, r"'answerKey' 'C' is not one of the labels \['A', 'B'\]"),
+                      (good | {"question": {"stem": "q", "choices": [{"text": "a"}]}}, "choice 0 must be an object"),
+                      ({"question": "q"}, "'question' must be an object")]:
+        arc = write_jsonl(tmp_path / "ARC-Easy-Dev.jsonl", [good, bad])
+        with pytest.raises(DataError, match=rf"ARC-Easy-Dev.jsonl:2: not an ARC question \({what}"):
+            choice.read_questions("arc", arc)
 
 
 def test_cli_help_and_a_missing_data_dir_is_one_error_line(tmp_path, capsys):

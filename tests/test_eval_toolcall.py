@@ -15,6 +15,7 @@ from chat import encode_pieces, markup
 from conftest import run_script
 from errors import ConfigError
 from model import ModelConfig, Transformer
+from tasks import toolcall
 from tokenizer import load_tokenizer
 
 CPU = ["--device=cpu", "--dtype=float32"]
@@ -130,13 +131,13 @@ def test_the_figures_equal_a_hand_count(tmp_path, monkeypatch):
 
 
 def test_a_list_gt_needs_every_item_a_number_by_value_and_text_ignoring_case():
-    assert ev.answer_right("They are 5 and 20.", {"gt": ["5", "20"]})
-    assert ev.answer_right("20.0, then 5", {"gt": [5, 20]})
-    assert not ev.answer_right("It is 5.", {"gt": ["5", "20"]})
-    assert not ev.answer_right("It is 205.", {"gt": ["5", "20"]})  # numbers, not digits
-    assert ev.answer_right("<think>\nsunny?\n</think>\n\nBeijing: 1,000 km", {"gt": ["beijing", "1000"]})
-    assert not ev.answer_right("<think>\nbeijing\n</think>\n\n1000 km", {"gt": ["beijing", "1000"]})
-    assert ev.answer_right("The product is 1776.", {"answer": "1776"})
+    assert toolcall.answer_right("They are 5 and 20.", {"gt": ["5", "20"]})
+    assert toolcall.answer_right("20.0, then 5", {"gt": [5, 20]})
+    assert not toolcall.answer_right("It is 5.", {"gt": ["5", "20"]})
+    assert not toolcall.answer_right("It is 205.", {"gt": ["5", "20"]})  # numbers, not digits
+    assert toolcall.answer_right("<think>\nsunny?\n</think>\n\nBeijing: 1,000 km", {"gt": ["beijing", "1000"]})
+    assert not toolcall.answer_right("<think>\nbeijing\n</think>\n\n1000 km", {"gt": ["beijing", "1000"]})
+    assert toolcall.answer_right("The product is 1776.", {"answer": "1776"})
 
 
 def test_a_tool_the_toolbox_cannot_run_is_one_error_line_unless_a_user_module_has_it(tmp_path, monkeypatch):

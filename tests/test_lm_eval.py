@@ -15,6 +15,7 @@ import convert
 import eval as ev
 from checkpoint import load_model
 from runtime import Run
+from tasks import choice
 from test_export import MINIMIND_TOKENIZER, random_checkpoint
 from tokenizer import NANOMIND_DIR
 
@@ -77,9 +78,9 @@ def test_lm_eval_scores_the_export_as_eval_py_scores_the_checkpoint(tokenizer, t
     assert (results["acc,none"], results["acc_norm,none"]) == (ours["acc"], ours["acc_norm"])
 
     model, tok, _ = load_model(str(ckpt))
-    score = ev.model_scorer(model.eval(), tok, 8, Run(torch.device("cpu"), "float32"))
+    score = choice.model_scorer(model.eval(), tok, 8, Run(torch.device("cpu"), "float32"))
     for sample in theirs["samples"]:
         q = qs[sample["doc_id"]]
-        expected = score(ev.text_rows(tok, ev.Question(q["question"], q["options"], q["answer"]), [], "en"))
+        expected = score(choice.text_rows(tok, choice.Question(q["question"], q["options"], q["answer"]), [], "en"))
         got = [loglikelihood for (loglikelihood, _greedy), in sample["resps"]]
         assert max(abs(a - b) for a, b in zip(got, expected)) <= 1e-4, (got, expected)
