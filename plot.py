@@ -71,6 +71,11 @@ class Verdict:
 
 def verdicts(rows: list[dict], window: int = 20) -> list[Verdict]:
     """Every rule that fires on these rows; [] when the run looks healthy."""
+    return loss_verdicts(rows, window) + gradient_verdicts(rows)
+
+
+def loss_verdicts(rows: list[dict], window: int) -> list[Verdict]:
+    """The rules on the losses: non-finite values, a loss that does not fall, overfitting, oscillation."""
     out = []
     steps, loss = series(rows, "loss")
     _, grad_norm = series(rows, "grad_norm")
@@ -108,6 +113,16 @@ def verdicts(rows: list[dict], window: int = 20) -> list[Verdict]:
                                f"{len(last)} rows (> 0.1)",
                                "likely: lr too high, batch too small, exploding gradients; try: lower lr, larger "
                                "batch (accum_steps), gradient clipping, (longer) warmup"))
+    return out
+
+
+def gradient_verdicts(rows: list[dict]) -> list[Verdict]:
+    """The rules on the gradients and on what they move: exploding, vanishing, DPO stuck at ln 2, RL without signal."""
+    out = []
+    _, loss = series(rows, "loss")
+    _, grad_norm = series(rows, "grad_norm")
+    finite = loss[np.isfinite(loss)]
+    dpo, rl = is_dpo(rows), is_rl(rows)
     recent = grad_norm[np.isfinite(grad_norm)][-100:]
     mean_norm = f"mean grad norm {np.mean(recent):.3g} over the last {len(recent)} rows" if len(recent) else ""
     if len(recent) and np.mean(recent) > 100:
