@@ -16,8 +16,9 @@ tokenisation and batching throughput; a model with experts against the dense one
 
 Bench's own keys are those of Bench below; every other --key=value goes to the training script (sft/dpo/grpo: model
 keys shape the random-init checkpoint they start from; generate/data: model, batch_size, device, dtype; moe: as
-train, with experts); --help lists both. A variant is a space-separated list of key=value overrides on top of those;
-each runs in a fresh subprocess, so its peak memory (CUDA max allocated, or peak RSS on the CPU) is its own. The
+train, with experts); --help lists both. --variants is the one key that takes several words, a variant each: a
+space-separated list of key=value overrides on top of those; each runs in a fresh subprocess, so its peak memory
+(CUDA max allocated, or peak RSS on the CPU) is its own. The
 script runs `steps` warm-up steps, then `steps` more, each logged (and timed) on its own: tokens/s, ms/step, MFU and
 the time split are those of the fastest of them, tokens_per_s_median and mfu_median those of the median one. MFU is
 against the measured matmul peak of the run's dtype: peak_repeats measurements before the first variant and after

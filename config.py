@@ -8,6 +8,7 @@ with its default and its comment.
   FinetuneConfig   SFT, DPO and RL: start from a checkpoint (init_from); SFTConfig, DPOConfig, GRPOConfig
   RANGES           each key's valid values, checked when a config is built (model.MODEL_RANGES: the model's)
   load_config      argv -> one instance of each dataclass asked for (a script's and model.ModelConfig)
+  words            a field that takes a script's bare words (plot.py's runs, convert.py's command and paths)
 """
 import ast
 import dataclasses
@@ -367,8 +368,13 @@ def parse_flag_value(text: str):
         return text
 
 
+def type_args(annotation) -> tuple:
+    """The types a key may take: (int,) for int, (str, NoneType) for str | None."""
+    return typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+
+
 def check_type(key: str, value, annotation, source: str):
-    allowed = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    allowed = type_args(annotation)
     if type(value) in allowed:  # exact: a bool is not accepted as an int
         return value
     if type(value) is int and float in allowed:
@@ -391,17 +397,36 @@ def field_docs(schema) -> dict[str, tuple[str, str]]:
     return docs
 
 
+def words(name: str):
+    """A field that takes the command line's bare words, shown as `name` in --help; a script that has one reads no
+    config file. As in `runs: list[str] = words("RUN...")  # run directories`."""
+    return dataclasses.field(default_factory=list, metadata={"usage": name})
+
+
+def words_field(schemas) -> tuple | None:
+    """(schema, field) of the schemas' words field, or None."""
+    return next(((s, f) for s in schemas for f in dataclasses.fields(s) if "usage" in f.metadata), None)
+
+
+def usage(schemas) -> str:
+    """--help's first line: the script, its words or a config file, its --key=value flags."""
+    script = os.path.basename(sys.argv[0]) if sys.argv[0].endswith(".py") else "script.py"
+    found = words_field(schemas)
+    return f"usage: python {script} {found[1].metadata['usage'] if found else '[config_file.py]'} [--key=value ...]"
+
+
 def help_text(schemas, ignored) -> str:
     """--help: every key of the schemas with its default and comment, grouped as in the dataclasses."""
-    script = os.path.basename(sys.argv[0]) if sys.argv[0].endswith(".py") else "script.py"
-    lines = [f"usage: python {script} [config_file.py] [--key=value ...]",
-             "A config file's `key = value` lines override the defaults below; --key=value flags override both."]
+    found = words_field(schemas)
+    lines = [usage(schemas), "--key=value flags override the defaults below." if found else
+             "A config file's `key = value` lines override the defaults below; --key=value flags override both.",
+             "A bool key alone (--key) means --key=True; every other key is --key=value, one word."]
     for schema in schemas:
         docs, groups = field_docs(schema), {}
         for f in dataclasses.fields(schema):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             group, comment = docs.get(f.name, ("", ""))
-            groups.setdefault(group, []).append((f"--{f.name}={default}", comment))
+            groups.setdefault(group, []).append((f.metadata.get("usage", f"--{f.name}={default}"), comment))
         for group, rows in groups.items():
             lines.append(f"\n{group or schema.__name__}:")
             width = max(len(flag) for flag, _ in rows)
@@ -411,26 +436,42 @@ def help_text(schemas, ignored) -> str:
     return "\n".join(lines)
 
 
+def flag_setting(arg: str, fields: dict) -> tuple:
+    """(key, value) of one --key=value flag; a bool key alone is True, a str key's text stays text (--api_key=123)."""
+    key, has_value, text = arg[2:].partition("=")
+    if not arg.startswith("--") or not key:
+        raise ConfigError(f"expected --key=value, got {arg!r}")
+    allowed = type_args(fields[key][1]) if key in fields else ()
+    if not has_value:
+        if allowed and bool not in allowed:
+            raise ConfigError(f"expected --key=value, got {arg!r}: write --{key}=VALUE, one word without a space")
+        return key, True  # an unknown key alone is named as unknown by the caller
+    value = parse_flag_value(text)
+    return key, text if str in allowed and value is not None and not isinstance(value, str) else value
+
+
 def load_config(argv: list[str], *schemas, ignored=()):
-    """Build one instance of each dataclass in schemas from `[config_file] [--key=value ...]`. Every key must
-    belong to one of the schemas (or to a dataclass in `ignored`: accepted, named in one line, then dropped)
-    and match its field's type. -h / --help prints every key and exits."""
+    """Build one instance of each dataclass in schemas from `[config_file] [--key=value ...]`, or from
+    `[words] [--key=value ...]` if a schema has a words field. Every key must belong to one of the schemas (or to
+    a dataclass in `ignored`: accepted, named in one line, then dropped) and match its field's type. -h / --help
+    prints every key and exits."""
     argv = list(argv or [])
-    fields = {f.name: (schema, f.type) for schema in schemas for f in dataclasses.fields(schema)}
+    found = words_field(schemas)
+    fields = {f.name: (schema, typing.get_type_hints(schema)[f.name]) for schema in schemas  # the types, not strings
+              for f in dataclasses.fields(schema) if "usage" not in f.metadata}
     skip = {f.name for schema in ignored for f in dataclasses.fields(schema)} - set(fields)
     if "-h" in argv or "--help" in argv:
         print(help_text(schemas, skip))
         raise SystemExit(0)
     settings = []  # (key, value, source), applied in order: the file first, then the flags
-    if argv and not argv[0].startswith("--"):
+    if not found and argv and not argv[0].startswith("-"):
         path = argv.pop(0)
         settings += [(k, v, path) for k, v in read_config_file(path).items()]
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            raise ConfigError(f"expected --key=value, got {arg!r}")
-        key, text = arg[2:].split("=", 1)
-        settings.append((key, parse_flag_value(text), "command line"))
     values: dict = {schema: {} for schema in schemas}
+    if found:
+        values[found[0]][found[1].name] = [arg for arg in argv if not arg.startswith("-")]
+        argv = [arg for arg in argv if arg.startswith("-")]
+    settings += [(*flag_setting(arg, fields), "command line") for arg in argv]
     dropped = sorted({key for key, _, _ in settings if key in skip})
     if dropped:
         if int(os.environ.get("RANK", 0)) == 0:

@@ -33,18 +33,18 @@ the base. (Every tool that takes a checkpoint also merges a LoRA one on load.)
 The mapping between the two lives in hf_export.py; safetensors is read and written without a library
 (safetensors_io.py).
 """
-import argparse
 import dataclasses
 import json
 import os
+import typing
 from pathlib import Path
 
 import torch
 
 from checkpoint import (atomic_save, checkpoint_tokenizer, load_checkpoint, load_model_state, model_from_checkpoint,
                         trained_tokenizer_path)
-from config import check_type, parse_flag_value
-from errors import CheckpointError, ConfigError, cli
+from config import check_type, flag_setting, load_config, usage, words
+from errors import CheckpointError, ConfigError, check_ranges, cli
 from fileio import atomic_dir
 from gguf_export import architecture, export_gguf
 from hf_export import (config_from_hf, hf_architecture, hf_model_config, hf_weights, infer_config, per_expert,
@@ -91,16 +91,14 @@ def torch_load(path: Path) -> dict:
 
 
 def model_flags(args: list[str]) -> dict:
-    """--key=value ModelConfig keys."""
-    types = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    """--key=value ModelConfig keys (a bool key alone is True, as everywhere)."""
+    fields = {name: (ModelConfig, t) for name, t in typing.get_type_hints(ModelConfig).items()}
     flags = {}
     for arg in args:
-        if not arg.startswith("--") or "=" not in arg:
-            raise ConfigError(f"expected --key=value, got {arg!r}")
-        key, text = arg[2:].split("=", 1)
-        if key not in types:
-            raise ConfigError(f"unknown model key {key!r}; known keys: {', '.join(types)}")
-        flags[key] = check_type(key, parse_flag_value(text), types[key], "command line")
+        key, value = flag_setting(arg, fields)
+        if key not in fields:
+            raise ConfigError(f"unknown model key {key!r}; known keys: {', '.join(fields)}")
+        flags[key] = check_type(key, value, fields[key][1], "command line")
     return flags
 
 
@@ -181,34 +179,53 @@ def merge(lora_path: str, out_path: str):
 
 # -----------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class Config:
+    # --- the command: import (weights -> a checkpoint), export (a checkpoint -> a folder, or OUT.gguf), merge (LoRA)
+    command: list[str] = words("{import|export|merge} SRC OUT")  # merge: SRC a LoRA checkpoint, OUT a new file
+    # --- import (also takes ModelConfig's keys that the weights cannot tell, as --n_heads=8)
+    tokenizer: str | None = None  # the tokenizer folder of the weights (MiniMind's model/); None: SRC's tokenizer.json
+    stage: str = "sft"  # pretrain | sft | dpo: sft chats in sample.py; pretrain continues text
+    # --- export
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    # --- import and export
+    force: bool = False  # replace OUT if it exists (an exported folder: if it is not empty)
+
+    def __post_init__(self):
+        check_ranges(self, {"stage": (lambda v: v in ("pretrain", "sft", "dpo"), "pretrain, sft or dpo"),
+                            "dtype": (lambda v: v in ("float32", "bfloat16", "float16"),
+                                      "float32, bfloat16 or float16")})
+
+
+KEYS = {"import": ("tokenizer", "stage", "force"), "export": ("dtype", "force"), "merge": ()}  # import: + ModelConfig's
+
+
+def parse_args(argv: list[str]) -> tuple[Config, list[str]]:
+    """The command line's Config and import's ModelConfig flags (model_flags reads them); a key of another command
+    is an error."""
+    model_keys = {f.name for f in dataclasses.fields(ModelConfig)}
+    model = [a for a in argv if a.startswith("--") and a[2:].partition("=")[0] in model_keys]
+    (cfg,) = load_config([a for a in argv if a not in model], Config)
+    if len(cfg.command) != 3 or cfg.command[0] not in KEYS:
+        raise ConfigError(f"{usage([Config])}; got {' '.join(cfg.command) or 'no command'}")
+    command = cfg.command[0]
+    wrong = [f"--{f.name}" for f in dataclasses.fields(Config)[1:]
+             if getattr(cfg, f.name) != f.default and f.name not in KEYS[command]]
+    wrong += [a.partition("=")[0] for a in model if command != "import"]
+    if wrong:
+        raise ConfigError(f"{command} takes no {', '.join(wrong)} (convert.py --help)")
+    return cfg, model
+
+
 def main(argv: list[str]):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import", help="a MiniMind *.pth or a transformers folder -> a nanomind checkpoint")
-    imp.add_argument("src", type=Path)
-    imp.add_argument("out", type=Path)
-    imp.add_argument("--tokenizer", help="the tokenizer directory the weights go with (MiniMind's model/); "
-                                         "required unless SRC is a folder holding a tokenizer.json")
-    imp.add_argument("--stage", default="sft", choices=["pretrain", "sft", "dpo"],
-                     help="sft (default) chats in sample.py; pretrain continues text")
-    imp.add_argument("--force", action="store_true", help="overwrite OUT")
-    exp = sub.add_parser("export", help="a nanomind checkpoint -> a Hugging Face folder, or a GGUF file")
-    exp.add_argument("ckpt")
-    exp.add_argument("out_dir", type=Path, metavar="OUT", help="a folder, or a file ending in .gguf (llama.cpp)")
-    exp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    exp.add_argument("--force", action="store_true", help="replace OUT if it exists (a folder: if it is not empty)")
-    mrg = sub.add_parser("merge", help="fold a LoRA checkpoint's adapters into its base: a full checkpoint")
-    mrg.add_argument("lora", help="a checkpoint written by train_sft.py or train_dpo.py with lora_rank > 0")
-    mrg.add_argument("out", help="the full checkpoint to write (must not exist)")
-    args, rest = p.parse_known_args(argv)
-    if args.command != "import" and rest:
-        p.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command == "export":
-        export(args.ckpt, args.out_dir, args.dtype, args.force)
-    elif args.command == "merge":
-        merge(args.lora, args.out)
+    args, model_args = parse_args(argv)
+    command, src, out = args.command
+    if command == "export":
+        export(src, Path(out), args.dtype, args.force)
+    elif command == "merge":
+        merge(src, out)
     else:
-        import_weights(args.src, args.out, args.tokenizer, args.stage, model_flags(rest), args.force)
+        import_weights(Path(src), Path(out), args.tokenizer, args.stage, model_flags(model_args), args.force)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ python train_sft.py configs/demo_sft.py
 python train_dpo.py configs/demo_dpo.py
 python train_grpo.py configs/demo_grpo.py
 python eval_demo.py out/demo/pretrain/best.pt out/demo/sft/best.pt out/demo/dpo/best.pt \
-    --dpo_pairs data/demo/dpo_eval.jsonl --reference out/demo/sft/best.pt
-python plot.py out/demo/pretrain out/demo/sft out/demo/dpo --out out/demo/plots
+    --dpo_pairs=data/demo/dpo_eval.jsonl --reference=out/demo/sft/best.pt
+python plot.py out/demo/pretrain out/demo/sft out/demo/dpo --out=out/demo/plots
 for stage in sft dpo; do  # -> out/demo/$stage/report.md
     python eval.py sft --ckpt=out/demo/$stage/best.pt --data_path=data/demo/eval_sft.jsonl --max_records=None \
         --max_new_tokens=48 --samples=5 --plots=out/demo/plots

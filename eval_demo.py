@@ -2,7 +2,7 @@
 Evaluate checkpoints on the demo's held-out questions (prepare_demo.py writes them to eval.jsonl), side by side.
 
     python eval_demo.py out/demo/pretrain/best.pt out/demo/sft/best.pt out/demo/dpo/best.pt \
-        --dpo_pairs data/demo/dpo_eval.jsonl --reference out/demo/sft/best.pt
+        --dpo_pairs=data/demo/dpo_eval.jsonl --reference=out/demo/sft/best.pt
 
 For each checkpoint: greedy answers to every question in the chat template, then exact-match accuracy (the
 answer equals the expected sentence) and the rate of answers in the language the question was asked in,
@@ -10,14 +10,15 @@ overall and per kind of question. With --dpo_pairs: on held-out preference pairs
 the reference (DPO's reward margin > 0) and how often the model itself gives the chosen answer the higher
 log-probability per token.
 """
-import argparse
 import json
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
 from checkpoint import checkpoint_tokenizer, load_checkpoint, load_model
+from config import load_config, usage, words
 from data import DPOData, Loader
 from engine import complete, prompt_ids
 from errors import ConfigError, cli
@@ -25,6 +26,19 @@ from losses import sequence_logprobs
 from token_cache import tokenize_file
 
 HAN = re.compile(r"[\u4e00-\u9fff]")
+
+
+@dataclass
+class Config:
+    # --- I/O
+    ckpts: list[str] = words("CKPT...")  # checkpoints to compare
+    data: str = "data/demo/eval.jsonl"  # the held-out questions (prepare_demo.py)
+    tokenizer_path: str | None = None  # None: the one the first checkpoint was trained with
+    show: int = 3  # print this many example answers per checkpoint
+    # --- preference pairs
+    dpo_pairs: str | None = None  # held-out preference pairs (JSONL) to score
+    reference: str | None = None  # the reference model of dpo_pairs' reward accuracy (the SFT model)
+    length_norm: bool = False  # per-token mean log-probs for the pairs (as DPO's length_norm); False: sums
 
 
 def answer_language(text: str) -> str:
@@ -56,17 +70,10 @@ def preference(policy: torch.Tensor, reference: torch.Tensor) -> tuple[float, fl
     return (margin > 0).float().mean().item(), (policy[:, 0] > policy[:, 1]).float().mean().item()
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("ckpts", nargs="+", help="checkpoints to compare")
-    p.add_argument("--data", default="data/demo/eval.jsonl")
-    p.add_argument("--tokenizer_path", help="default: the one the first checkpoint was trained with")
-    p.add_argument("--show", type=int, default=3, help="print this many example answers per checkpoint")
-    p.add_argument("--dpo_pairs", help="held-out preference pairs (JSONL) to score")
-    p.add_argument("--reference", help="the reference model of --dpo_pairs' reward accuracy (the SFT model)")
-    p.add_argument("--length_norm", type=lambda s: s.lower() == "true", default=False,
-                   help="per-token mean log-probs for the pairs (as DPO's length_norm); default: sums")
-    args = p.parse_args(argv)
+def main(argv: list[str]):
+    (args,) = load_config(argv, Config)
+    if not args.ckpts:
+        raise ConfigError(f"{usage([Config])}: name at least one checkpoint")
 
     tokenizer = checkpoint_tokenizer(load_checkpoint(args.ckpts[0]), args.tokenizer_path)  # the first one's
 

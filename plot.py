@@ -2,7 +2,7 @@
 Training curves and a health verdict from out_dir/metrics.jsonl; works while a run is still writing the file.
 
     python plot.py out/pretrain                            # plots/training.png, the verdict printed
-    python plot.py out/pretrain out/pretrain_lr1e-3 --out plots/ --smooth 50   # runs overlaid
+    python plot.py out/pretrain out/pretrain_lr1e-3 --out=plots/ --smooth=50   # runs overlaid
 
 training.png: loss (train raw + smoothed, validation), lr, gradient norm, tokens/s, memory; DPO runs add reward
 margin and accuracy, RL runs their rewards; runs that log frac_* add their step-time split. grad_flow.png: the latest per-layer gradient
@@ -10,7 +10,6 @@ norms of runs that log them (grad_log_interval). The verdict: rules of thumb for
 not fall, overfitting, oscillation, exploding or vanishing gradients, a stuck DPO loss, RL groups that teach
 nothing), each with likely causes and remedies. An RL loss is no progress measure: its rules watch the rewards.
 """
-import argparse
 import math
 import os
 from dataclasses import dataclass
@@ -21,9 +20,20 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from config import load_config, usage, words  # noqa: E402
+from errors import ConfigError, cli  # noqa: E402
 from metrics import read_metrics  # noqa: E402
 
 PANEL_W, PANEL_H, DPI, COLUMNS = 5.0, 3.5, 100, 3  # training.png is COLUMNS panels wide, 100 px per inch
+
+
+@dataclass
+class Config:
+    # --- I/O
+    runs: list[str] = words("RUN...")  # run directories or metrics.jsonl files, overlaid
+    out: str = "plots"  # directory for the PNGs
+    # --- curves
+    smooth: int = 20  # moving-average window, in log rows
 
 
 def run_name(path: str) -> str:
@@ -247,12 +257,10 @@ def grad_flow(flows: dict[str, dict], colors: dict[str, str], path: str):
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", help="run directories or metrics.jsonl files")
-    parser.add_argument("--out", default="plots", help="directory for the PNGs")
-    parser.add_argument("--smooth", type=int, default=20, help="moving-average window, in log rows")
-    args = parser.parse_args(argv)
+def main(argv: list[str]):
+    (args,) = load_config(argv, Config)
+    if not args.runs:
+        raise ConfigError(f"{usage([Config])}: name at least one run")
     runs = {}
     for path in args.runs:  # runs are named by their directory; the full path tells two "pretrain"s apart
         runs[run_name(path) if run_name(path) not in runs else os.path.normpath(path)] = read_metrics(path)
@@ -263,4 +271,4 @@ def main(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

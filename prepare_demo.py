@@ -12,31 +12,40 @@ measures whether SFT taught the model to answer in the chat template with what p
 
 It is synthetic: real training uses MiniMind-format files (see README).
 """
-import argparse
 import os
 import random
+from dataclasses import dataclass
 
+from config import load_config
 from demo_data import (TOOL_Q, conversation, documents, double_prompts, dpo_pair, eval_questions, product_document,
                        split_world, tool_pairs, tool_record, write_jsonl)
+from errors import cli
 from tools import load_toolbox
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out_dir", default="data/demo")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--max_number", type=int, default=20, help="sums of two numbers below this")
-    p.add_argument("--pretrain_docs", type=int, default=30000, help="pretraining documents")
-    p.add_argument("--held_out_countries", type=int, default=20)
-    p.add_argument("--held_out_sums", type=float, default=0.1, help="fraction of number pairs held out")
-    p.add_argument("--sft", type=int, default=8000, help="SFT conversations")
-    p.add_argument("--dpo", type=int, default=3000, help="DPO pairs")
-    p.add_argument("--eval_sums", type=int, default=150, help="held-out sum questions in eval.jsonl")
-    p.add_argument("--tool_docs", type=int, default=30000, help="pretraining documents of the tool task")
-    p.add_argument("--tool_sft", type=int, default=3000, help="tool-calling conversations (products of two numbers)")
-    p.add_argument("--tool_rl", type=int, default=600, help="tool-use RL prompts, about other products")
-    p.add_argument("--tool_eval", type=int, default=100, help="held-out tool-use prompts")
-    args = p.parse_args(argv)
+@dataclass
+class Config:
+    # --- I/O
+    out_dir: str = "data/demo"
+    seed: int = 1337
+    # --- the world
+    max_number: int = 20  # sums of two numbers below this
+    held_out_countries: int = 20
+    held_out_sums: float = 0.1  # fraction of number pairs held out
+    # --- how many records
+    pretrain_docs: int = 30000  # pretraining documents
+    sft: int = 8000  # SFT conversations
+    dpo: int = 3000  # DPO pairs
+    eval_sums: int = 150  # held-out sum questions in eval.jsonl
+    # --- the tool task
+    tool_docs: int = 30000  # pretraining documents of the tool task
+    tool_sft: int = 3000  # tool-calling conversations (products of two numbers)
+    tool_rl: int = 600  # tool-use RL prompts, about other products
+    tool_eval: int = 100  # held-out tool-use prompts
+
+
+def main(argv: list[str]):
+    (args,) = load_config(argv, Config)
 
     rng = random.Random(args.seed)
     held_countries, train_countries, held_pairs, train_pairs = split_world(rng, args.held_out_countries,
@@ -83,4 +92,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -1,27 +1,28 @@
 """
 Talk to a trained model.
 
-    python sample.py --ckpt out/sft/best.pt --prompt "What is the capital of France?"   # one answer
-    python sample.py --ckpt out/sft/best.pt                                             # multi-turn chat
-    python sample.py --ckpt out/pretrain/best.pt --prompt "The capital of"              # plain continuation
-    python sample.py --ckpt out/sft/best.pt --tools builtin --prompt "What is 37 times 48?"   # with tools
+    python sample.py --ckpt=out/sft/best.pt --prompt="What is the capital of France?"   # one answer
+    python sample.py --ckpt=out/sft/best.pt                                             # multi-turn chat
+    python sample.py --ckpt=out/pretrain/best.pt --prompt="The capital of"              # plain continuation
+    python sample.py --ckpt=out/sft/best.pt --tools=builtin --prompt="What is 37 times 48?"   # with tools
 
 SFT and DPO checkpoints answer in the chat template, keeping the conversation history; a pretraining
 checkpoint continues the text it is given. Generation streams token by token and uses the KV cache.
 With --tools the model is offered tools (ChatML template only); each call it writes is run, shown as
 [call] and [result] lines, and the model goes on from the result, at most --max_turns turns per message.
 """
-import argparse
+import dataclasses
 import json
 import sys
 
 import torch
 
 from checkpoint import load_model
+from config import check_device_and_dtype, load_config
 from engine import Sampling, TextStream, generate, prompt_ids
 from errors import ConfigError, cli
 from reply import CALL_START, Reply
-from runtime import DTYPES, open_device
+from runtime import open_device
 from tools import Toolbox, load_toolbox, take_turns
 
 
@@ -152,31 +153,40 @@ def chat_loop(model, tokenizer, args, chat: bool, read=input, out=sys.stdout,
             respond(model, tokenizer, prompt_ids(tokenizer, user, max_len=budget), args, out, generator)
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="a checkpoint written by train_pretrain/sft/dpo/distill.py "
-                                                  "(a LoRA one is merged onto its base)")
-    p.add_argument("--prompt", help="answer this once and exit; without it, chat interactively")
-    p.add_argument("--system", help="system prompt (chat checkpoints)")
-    p.add_argument("--tokenizer_path", help="default: the checkpoint's (its chat template comes with it)")
-    p.add_argument("--yarn", type=float, help="FACTOR: a context FACTOR times the trained one, by YaRN rope scaling")
-    p.add_argument("--tools", help="offer tools and run the calls: builtin, built-in names (calculate_math,"
-                                   "unit_converter,get_current_time) or a file.py / module of your functions")
-    p.add_argument("--max_turns", type=int, default=5, help="with --tools: model turns per message, at most")
-    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    p.add_argument("--top_k", type=int, default=None)
-    p.add_argument("--top_p", type=float, default=0.9)
-    p.add_argument("--repetition_penalty", type=float, default=1.0)
-    p.add_argument("--max_new_tokens", type=int, default=None,
-                   help="default: up to the end of the model's context (the prompt keeps at most half of it)")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps")
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="autocast: auto is what the device runs well (float32 on a CPU); float32 forces it")
-    return p.parse_args(argv)
+@dataclasses.dataclass
+class Config:
+    # --- I/O
+    ckpt: str | None = None  # required: a checkpoint of train_pretrain/sft/dpo/distill.py (LoRA: merged onto its base)
+    prompt: str | None = None  # answer this once and exit; None: chat interactively
+    system: str | None = None  # system prompt (chat checkpoints)
+    tokenizer_path: str | None = None  # None: the checkpoint's (its chat template comes with it)
+    yarn: float | None = None  # FACTOR: a context FACTOR times the trained one, by YaRN rope scaling
+    # --- tools
+    tools: str | None = None  # offer tools, run the calls: builtin | calculate_math,... (built-ins) | file.py | module
+    max_turns: int = 5  # with tools: model turns per message, at most
+    # --- sampling
+    temperature: float = 0.7  # 0 = greedy
+    top_k: int | None = None
+    top_p: float = 0.9
+    repetition_penalty: float = 1.0
+    max_new_tokens: int | None = None  # None: up to the end of the context (the prompt keeps at most half of it)
+    seed: int = 1337
+    # --- system
+    device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
+    dtype: str = "auto"  # autocast: auto is what the device runs well (float32 on a CPU); float32 forces it
+
+    def __post_init__(self):
+        check_device_and_dtype(self.device, self.dtype)
 
 
-def main(argv=None):
+def parse_args(argv: list[str]) -> Config:
+    (cfg,) = load_config(argv, Config)
+    if cfg.ckpt is None:
+        raise ConfigError("sample.py needs --ckpt=PATH: the checkpoint to talk to")
+    return cfg
+
+
+def main(argv: list[str]):
     args = parse_args(argv)
     run = open_device(args.device, args.dtype)
     model, tokenizer, state = load_model(args.ckpt, run.device, args.tokenizer_path, args.yarn)

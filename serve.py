@@ -1,8 +1,8 @@
 """
 Serve a trained model: an OpenAI-compatible HTTP API and a chat page, on the standard library alone.
 
-    python serve.py --ckpt out/dpo/best.pt                        # then open http://127.0.0.1:8000
-    python serve.py --ckpt out/dpo/best.pt --host 0.0.0.0 --api_key SECRET
+    python serve.py --ckpt=out/dpo/best.pt                        # then open http://127.0.0.1:8000
+    python serve.py --ckpt=out/dpo/best.pt --host=0.0.0.0 --api_key=SECRET
 
     POST /v1/chat/completions   messages in the checkpoint's chat template; stream, stop, seed, max_tokens, ...
                                 tools and thinking (ChatML checkpoints): OpenAI's tool_calls, reasoning_content
@@ -14,7 +14,7 @@ max_batch rows in one KV cache: a request's prompt is prefilled alone, then it j
 decodes one token per step at its own position; it leaves when it ends, meets a stop string or its client goes
 away, while the others go on. HTTP threads only parse, validate and write what the engine sends them.
 """
-import argparse
+import dataclasses
 import hmac
 import json
 import math
@@ -30,12 +30,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from chat import encode_pieces, markup
 from checkpoint import load_model
+from config import check_device_and_dtype, load_config
 from engine import TextStream, prompt_ids
 from errors import ConfigError, DataError, cli
 from openai_api import (APIError, chat_deltas, chat_message, chat_messages, get, parse_body, sampling_options,
                         thinking_option, tool_options, usage)
 from reply import ReplyStream
-from runtime import DTYPES, open_device
+from runtime import open_device
 from scheduler import Job, QueueFull, Scheduler
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
@@ -365,33 +366,40 @@ class Server(ThreadingHTTPServer):
         self.shutdown_request(sock)
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="a checkpoint written by train_pretrain/sft/dpo.py")
-    p.add_argument("--host", default="127.0.0.1", help="another address than this machine's own lets others in")
-    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
-    p.add_argument("--api_key", help="require 'Authorization: Bearer KEY' on /v1/ (default: no key)")
-    p.add_argument("--allowed_hosts", type=lambda s: [h for h in s.split(",") if h], default=[],
-                   help="names a client may put in its Host header besides 127.0.0.1, localhost and [::1] "
-                        "(checked on a loopback --host, or whenever given), e.g. myhost.lan,myhost.lan.")
-    p.add_argument("--model_name", help="the model's id in the API (default: nanomind-<the checkpoint's stage>)")
-    p.add_argument("--tokenizer_path", help="default: the checkpoint's")
-    p.add_argument("--yarn", type=float, help="FACTOR: a context FACTOR times the trained one, by YaRN rope scaling")
-    p.add_argument("--max_batch", type=int, default=8, help="requests decoded together; more wait for a row")
-    p.add_argument("--max_body_kb", type=int, default=1024, help="larger request bodies get 413")
-    p.add_argument("--max_connections", type=int, default=128, help="connections open at once; more get 503")
-    p.add_argument("--timeout", type=float, default=10.0,
-                   help="seconds a client has to send its request, and the longest a send or receive may stall")
-    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps")
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="autocast: auto is what the device runs well (float32 on a CPU); float32 forces it")
-    args = p.parse_args(argv)
+@dataclasses.dataclass
+class Config:
+    # --- the model
+    ckpt: str | None = None  # required: a checkpoint written by train_pretrain/sft/dpo.py
+    model_name: str | None = None  # the model's id in the API; None: nanomind-<the checkpoint's stage>
+    tokenizer_path: str | None = None  # None: the checkpoint's
+    yarn: float | None = None  # FACTOR: a context FACTOR times the trained one, by YaRN rope scaling
+    # --- HTTP
+    host: str = "127.0.0.1"  # another address than this machine's own lets others in
+    port: int = 8000  # 0: any free port (printed)
+    api_key: str | None = None  # require 'Authorization: Bearer KEY' on /v1/; None: no key
+    allowed_hosts: str = ""  # Host header names besides the loopback ones, comma-separated: myhost.lan,myhost.lan.
+    # --- limits
+    max_batch: int = 8  # requests decoded together; more wait for a row
+    max_body_kb: int = 1024  # larger request bodies get 413
+    max_connections: int = 128  # connections open at once; more get 503
+    timeout: float = 10.0  # seconds a client has to send its request, and the longest a send or receive may stall
+    # --- system
+    device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
+    dtype: str = "auto"  # autocast: auto is what the device runs well (float32 on a CPU); float32 forces it
+
+
+def parse_args(argv: list[str]) -> Config:
+    """The command line's Config, checked, allowed_hosts as a list of names (App's Host check takes them so)."""
+    (args,) = load_config(argv, Config)
+    check_device_and_dtype(args.device, args.dtype)
+    if args.ckpt is None:
+        raise ConfigError("serve.py needs --ckpt=PATH: the checkpoint to serve")
     if min(args.max_batch, args.max_body_kb, args.max_connections) < 1 or not args.timeout > 0:
         raise ConfigError("--max_batch, --max_body_kb and --max_connections must be at least 1, --timeout positive")
-    return args
+    return dataclasses.replace(args, allowed_hosts=[h for h in args.allowed_hosts.split(",") if h])
 
 
-def main(argv=None):
+def main(argv: list[str]):
     args = parse_args(argv)
     app = App(args)
     try:

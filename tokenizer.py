@@ -156,7 +156,7 @@ class TiktokenTokenizer(Tokenizer):
 
 
 class SentencePieceTokenizer(Tokenizer):
-    """A .model file: ours (train_tokenizer.py --backend sentencepiece) or a foreign one (LLaMA-2).
+    """A .model file: ours (train_tokenizer.py --backend=sentencepiece) or a foreign one (LLaMA-2).
 
     decode(encode(s)) == s for our models (identity normalisation, no dummy prefix, byte
     fallback), except that U+2581 "▁", SentencePiece's space marker, decodes as a space.

@@ -1,8 +1,8 @@
 """Train a tokenizer on JSONL / text files.
 
-    python train_tokenizer.py --input data/pretrain.jsonl --vocab_size 6400 --out tokenizer
-    python train_tokenizer.py --input a.jsonl b.txt --out tok_sp --backend sentencepiece
-    python train_tokenizer.py --input data/pretrain_hq.jsonl --max_chars 200_000_000 --out tok   # a large corpus
+    python train_tokenizer.py data/pretrain.jsonl --vocab_size=6400 --out=tokenizer
+    python train_tokenizer.py a.jsonl b.txt --out=tok_sp --backend=sentencepiece
+    python train_tokenizer.py data/pretrain_hq.jsonl --max_chars=200_000_000 --out=tok   # a large corpus
 
 tiktoken backend (default): byte-level BPE trained here in pure Python, written as
 OUT/tokenizer.tiktoken + OUT/nanomind.json. sentencepiece backend: OUT/tokenizer.model.
@@ -10,7 +10,6 @@ Either way vocab_size counts everything, special tokens included, and load_token
 """
 from __future__ import annotations
 
-import argparse
 import base64
 import heapq
 import io
@@ -20,10 +19,23 @@ import re
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from errors import DataError, cli
+from config import load_config, usage, words
+from errors import ConfigError, DataError, cli
 from tokenizer import CHAT_TOKENS, PATTERN, SPECIAL_TOKENS, load_tokenizer
+
+
+@dataclass
+class Config:
+    # --- I/O
+    input: list[str] = words("FILE...")  # .jsonl (text / conversations / DPO records) or .txt files
+    out: str | None = None  # the output directory (required)
+    # --- the tokenizer
+    vocab_size: int = 6400  # total, special tokens included
+    backend: str = "tiktoken"  # tiktoken | sentencepiece
+    max_chars: int = 0  # train on about this many characters sampled evenly across the input (0: all of it)
 
 
 # --- reading the corpus -------------------------------------------------------------------------
@@ -248,22 +260,16 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, out: Path) -> Non
     (out / "tokenizer.model").write_bytes(model.getvalue())
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", nargs="+", required=True,
-                        help=".jsonl (text / conversations / DPO records) or .txt files")
-    parser.add_argument("--vocab_size", type=int, default=6400, help="total, special tokens included")
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--backend", choices=["tiktoken", "sentencepiece"], default="tiktoken")
-    parser.add_argument("--max_chars", type=int, default=0,
-                        help="train on about this many characters sampled evenly across the input (0: all of it)")
-    args = parser.parse_args(argv)
-
+def main(argv: list[str]) -> None:
+    (args,) = load_config(argv, Config)
+    if not args.input or args.out is None:
+        raise ConfigError(f"{usage([Config])}: name at least one input FILE and the output directory --out=DIR")
+    if args.backend not in ("tiktoken", "sentencepiece"):
+        raise ConfigError(f"config key 'backend' must be tiktoken or sentencepiece, got {args.backend!r}")
     out = Path(args.out)
     other = out / ("tokenizer.model" if args.backend == "tiktoken" else "tokenizer.tiktoken")
     if other.exists():
-        raise SystemExit(f"{other} exists: load_tokenizer({str(out)!r}) would be ambiguous; remove it")
+        raise ConfigError(f"{other} exists: load_tokenizer({str(out)!r}) would be ambiguous; remove it")
     out.mkdir(parents=True, exist_ok=True)
     if args.max_chars > 0:
         texts = sample_texts(args.input, args.max_chars)
@@ -275,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         n_merges = args.vocab_size - 256 - len(SPECIAL_TOKENS)
         if n_merges < 0:
-            raise SystemExit(f"--vocab_size must be at least {256 + len(SPECIAL_TOKENS)}")
+            raise ConfigError(f"--vocab_size must be at least {256 + len(SPECIAL_TOKENS)}")
         chunk_counts = count_chunks(texts)
         print(f"{len(chunk_counts):,} unique chunks, {sum(chunk_counts.values()):,} in all "
               f"({time.time() - t0:.1f}s)", flush=True)

@@ -53,7 +53,7 @@ LORA = ["--lora_rank=4", "--lora_alpha=8"]  # the LoRA runs' adapters
 def demo_dir(tmp_path_factory):
     """A small copy of the demo data set (the generator is seeded, so it is the same every session)."""
     out = tmp_path_factory.mktemp("demo")
-    prepare_demo.main(["--out_dir", str(out), "--pretrain_docs", "2000", "--sft", "600", "--dpo", "300"])
+    prepare_demo.main([f"--out_dir={out}", "--pretrain_docs=2000", "--sft=600", "--dpo=300"])
     return out
 
 

@@ -336,7 +336,6 @@ def test_minimind_tokenizer_through_pretrain_sft_and_sample(demo_dir, tmp_path, 
 
     fed = []
     monkeypatch.setattr(sample, "respond", lambda model, tok, ids, *rest: fed.append(ids) or "")
-    sample.main(["--ckpt", str(sft / "best.pt"), "--prompt", "北京天气？", "--system", "Be brief.",
-                 "--max_new_tokens", "8"])
+    sample.main([f"--ckpt={sft / 'best.pt'}", "--prompt=北京天气？", "--system=Be brief.", "--max_new_tokens=8"])
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "北京天气？"}]
     assert fed == [library.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)]

@@ -1,5 +1,6 @@
 """Reading the configuration: config files then flags, unknown keys and wrong types named, values checked, --help
 listing every key in its group; a user's mistake is one `error:` line and exit status 2, a bug still a traceback."""
+import dataclasses
 import sys
 
 import pytest
@@ -8,7 +9,7 @@ import errors
 import train_dpo
 import train_pretrain
 import train_sft
-from config import DPOConfig, PretrainConfig, SFTConfig, field_docs, help_text, load_config
+from config import DPOConfig, PretrainConfig, SFTConfig, field_docs, help_text, load_config, words
 from conftest import TINY_RUN, run_script
 from errors import ConfigError
 from model import ModelConfig
@@ -48,6 +49,54 @@ def test_a_wrong_key_in_a_config_file_names_file_and_key(tmp_path):
 def test_unknown_lora_targets_are_a_config_error():
     with pytest.raises(ConfigError, match="lora_targets.*'wz'"):
         load_config(["--lora_rank=4", "--lora_targets=wq,wz"], SFTConfig)
+
+
+# --- words, a bool key alone, one word per key ----------------------------------------------------
+
+@dataclasses.dataclass
+class Plot:
+    # --- I/O
+    runs: list[str] = words("RUN...")  # run directories
+    out: str = "plots"  # where the pictures go
+    force: bool = False  # replace them
+    name: str | None = None
+
+
+def test_words_collect_the_bare_arguments_and_no_config_file_is_read():
+    (cfg,) = load_config(["a", "--out=p", "b/c", "--force"], Plot)
+    assert (cfg.runs, cfg.out, cfg.force) == (["a", "b/c"], "p", True)
+    assert load_config([], Plot)[0].runs == []
+    with pytest.raises(ConfigError, match="unknown config key 'runs'"):
+        load_config(["--runs=a"], Plot)
+
+
+def test_a_bool_key_alone_is_true_and_any_other_key_needs_its_value_in_the_same_word():
+    (cfg,) = load_config(["--resume"], PretrainConfig)
+    assert cfg.resume is True
+    with pytest.raises(ConfigError, match="^expected --key=value, got '--lr': write --lr=VALUE, one word"):
+        load_config(["--lr", "3e-4"], PretrainConfig)
+    with pytest.raises(ConfigError, match="^expected --key=value, got '--out'"):
+        load_config(["a", "--out", "p"], Plot)
+    with pytest.raises(ConfigError, match="unknown config key 'nope'"):
+        load_config(["--nope"], PretrainConfig)
+    with pytest.raises(ConfigError, match="^expected --key=value, got 'extra'"):
+        load_config(["--lr=1", "extra"], PretrainConfig)
+
+
+def test_a_str_key_keeps_text_that_reads_as_another_literal():
+    (cfg,) = load_config(["--name=12345"], Plot)
+    assert cfg.name == "12345"
+    assert load_config(["--name=None"], Plot)[0].name is None
+    (cfg,) = load_config(["--out_dir=True", "--data_path=[1]"], PretrainConfig)
+    assert (cfg.out_dir, cfg.data_path) == ("True", "[1]")
+
+
+def test_help_names_the_words_in_its_usage_line_and_lists_them():
+    text = help_text((Plot,), set())
+    usage_line, *rest = text.splitlines()
+    assert usage_line.endswith(" RUN... [--key=value ...]") and "config_file" not in usage_line
+    assert "  RUN...         run directories" in rest and "  --force=False  replace them" in rest
+    assert "A bool key alone (--key) means --key=True" in text
 
 
 # --- DPO's lengths default to what fits the model -------------------------------------------------

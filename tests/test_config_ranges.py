@@ -246,7 +246,7 @@ def test_an_out_of_range_key_on_the_command_line_is_one_error_line_and_exit_stat
 def test_a_device_the_machine_does_not_have_is_one_error_line(tmp_path, script):
     missing = f"cuda:{torch.cuda.device_count()}"  # the first index past this machine's GPUs (cuda:0 without any)
     args = [f"--device={missing}", f"--out_dir={tmp_path}/out"] if script.startswith("train") else \
-        ["--device", missing, "--ckpt", "unused.pt"]
+        [f"--device={missing}", "--ckpt=unused.pt"]
     result = run_script(script, *args)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     (line,) = result.stderr.strip().splitlines()

@@ -152,8 +152,7 @@ def test_imported_minimind_checkpoint_samples_and_fine_tunes(demo_dir, tmp_path,
     assert state["stage"] == "sft" and state["config"]["tokenizer_path"] == str(MINIMIND_TOKENIZER)
     assert state["tokenizer"]["chat_template"] == "chatml" and state["model_config"]["max_seq_len"] == 128
     capsys.readouterr()
-    sample.main(["--ckpt", str(tmp_path / "imported.pt"), "--prompt", "你好", "--temperature", "0",
-                 "--max_new_tokens", "12"])
+    sample.main([f"--ckpt={tmp_path / 'imported.pt'}", "--prompt=你好", "--temperature=0", "--max_new_tokens=12"])
     # what sample.py answered is the greedy continuation of MiniMind's ChatML prompt, in MiniMind's tokenizer
     tokenizer = load_tokenizer(MINIMIND_TOKENIZER)
     prompt, _ = encode_chat(tokenizer, [{"role": "user", "content": "你好"}])

@@ -63,8 +63,7 @@ def test_token_bytes_add_up_to_the_text_and_special_tokens_count_zero(tmp_path):
     corpus = tmp_path / "corpus.txt"  # a small SentencePiece model: its byte pieces must count 1 byte each
     words = "the quick brown fox jumps over a lazy dog while 敏捷的棕色狐狸跳过了懒狗 and bits per byte".split()
     corpus.write_text("\n\n".join(" ".join(words[i % 7 :] + words[: i % 5]) for i in range(300)), encoding="utf-8")
-    train_tokenizer(["--input", str(corpus), "--vocab_size", "320", "--out", str(tmp_path / "sp"),
-                     "--backend", "sentencepiece"])
+    train_tokenizer([str(corpus), "--vocab_size=320", f"--out={tmp_path / 'sp'}", "--backend=sentencepiece"])
     sentencepiece = load_tokenizer(tmp_path / "sp")
     assert sentencepiece.__class__.__name__ == "SentencePieceTokenizer"
     for tok in (load_tokenizer(), load_tokenizer(tk.NANOMIND_DIR), sentencepiece):

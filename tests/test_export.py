@@ -14,7 +14,7 @@ from chat import encode_chat
 from checkpoint import atomic_save, load_checkpoint, model_from_checkpoint
 from config import PretrainConfig, load_config
 from conftest import corpus_lines, greedy_alone, random_strings
-from errors import CheckpointError, ConfigError
+from errors import CheckpointError, ConfigError, cli
 from model import ModelConfig, Transformer
 from tokenizer import DEFAULT_DIR, NANOMIND_DIR, load_tokenizer
 from train_tokenizer import main as train_tokenizer
@@ -42,7 +42,7 @@ def trained_tokenizer(tmp_path_factory) -> Path:
     """A tiktoken tokenizer of 700 ids trained here on mixed Chinese / English / code lines."""
     d = tmp_path_factory.mktemp("tok")
     (d / "corpus.txt").write_text("\n\n".join(corpus_lines(random.Random(0), 3000)), encoding="utf-8")
-    train_tokenizer(["--input", str(d / "corpus.txt"), "--vocab_size", "700", "--out", str(d / "tok")])
+    train_tokenizer([str(d / "corpus.txt"), "--vocab_size=700", f"--out={d / 'tok'}"])
     return d / "tok"
 
 
@@ -111,7 +111,7 @@ def test_sample_py_greedy_answer_equals_transformers_chat_generate(tmp_path, cap
     convert.main(["export", str(ckpt), str(tmp_path / "hf")])
     question = "What is the capital of Kenya?"
     capsys.readouterr()
-    sample.main(["--ckpt", str(ckpt), "--prompt", question, "--temperature", "0", "--max_new_tokens", "24"])
+    sample.main([f"--ckpt={ckpt}", f"--prompt={question}", "--temperature=0", "--max_new_tokens=24"])
     ours = capsys.readouterr().out
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -208,7 +208,7 @@ def test_bad_input_is_refused_and_nothing_is_overwritten(tmp_path, capsys):
         convert.main(["export", str(ckpt), str(tmp_path / "full")])
     assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
     with pytest.raises(SystemExit) as e:
-        convert.main(["export", str(ckpt), str(tmp_path / "b"), "--dtype=float8"])
+        cli(lambda _: convert.main(["export", str(ckpt), str(tmp_path / "b"), "--dtype=float8"]))  # as a user runs it
     assert e.value.code == 2 and "float8" in capsys.readouterr().err and not (tmp_path / "b").exists()
     convert.main(["export", str(ckpt), str(tmp_path / "full"), "--force"])
     assert sorted(p.name for p in (tmp_path / "full").iterdir()) == [
@@ -217,8 +217,8 @@ def test_bad_input_is_refused_and_nothing_is_overwritten(tmp_path, capsys):
 
 def test_sentencepiece_tokenizer_is_refused(tmp_path):
     (tmp_path / "corpus.txt").write_text("\n\n".join(corpus_lines(random.Random(0), 500)), encoding="utf-8")
-    train_tokenizer(["--input", str(tmp_path / "corpus.txt"), "--vocab_size", "600", "--out", str(tmp_path / "sp"),
-                     "--backend", "sentencepiece"])
+    train_tokenizer([str(tmp_path / "corpus.txt"), "--vocab_size=600", f"--out={tmp_path / 'sp'}",
+                     "--backend=sentencepiece"])
     ckpt = random_checkpoint(tmp_path / "ckpt.pt", TINY["tied_gqa"], tmp_path / "sp")
     with pytest.raises(ConfigError, match="SentencePiece tokenizer is not exported"):
         convert.main(["export", str(ckpt), str(tmp_path / "hf")])

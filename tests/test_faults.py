@@ -297,8 +297,8 @@ def hostile_uses(ckpt, good, demo_dir, where) -> dict:
     sft_data, dpo_data = f"--data_path={demo_dir}/sft.jsonl", f"--data_path={demo_dir}/dpo.jsonl"
     out = f"--out_dir={where}/out"
     return {
-        "sample": (sample, ["--ckpt", str(ckpt), "--prompt", "hi", "--device", "cpu"]),
-        "serve": (serve, ["--ckpt", str(ckpt), "--port", "0", "--device", "cpu"]),
+        "sample": (sample, [f"--ckpt={ckpt}", "--prompt=hi", "--device=cpu"]),
+        "serve": (serve, [f"--ckpt={ckpt}", "--port=0", "--device=cpu"]),
         "convert export": (convert, ["export", str(ckpt), str(where / "exported")]),
         "eval bpb": (eval_script, ["bpb", f"--ckpt={ckpt}", f"--data_path={demo_dir}/pretrain.jsonl", *TINY_RUN[:2]]),
         "eval pairs": (eval_script, ["pairs", f"--ckpt={ckpt}", dpo_data, *TINY_RUN[:2]]),
@@ -332,7 +332,7 @@ def test_a_checkpoint_carrying_a_pickled_call_is_refused_and_runs_nothing(use, h
 
 def test_a_hostile_checkpoint_is_one_error_line(hostile):
     ckpt, marker, _ = hostile
-    line = one_error_line(run_script("sample.py", "--ckpt", str(ckpt), "--prompt", "hi"))
+    line = one_error_line(run_script("sample.py", f"--ckpt={ckpt}", "--prompt=hi"))
     assert line == (f"error: {ckpt} holds a Python object (posix.system), not only tensors, numbers and strings: "
                     "refused, and nothing in it was run (a checkpoint is loaded with weights_only)")
     assert not marker.exists()

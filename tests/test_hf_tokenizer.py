@@ -256,7 +256,7 @@ def test_shipped_tokenizer_renamed_with_its_fingerprint_and_old_name_loads(tmp_p
     assert all(tok.encode(t) == shipped.encode(t) for t in CHECK + HAND_WRITTEN)
     # retraining into it writes the new name and removes the stale old one
     (tmp_path / "corpus.txt").write_text("\n".join(corpus_lines(random.Random(2), 200)), encoding="utf-8")
-    train_main(["--input", str(tmp_path / "corpus.txt"), "--vocab_size", "300", "--out", str(old)])
+    train_main([str(tmp_path / "corpus.txt"), "--vocab_size=300", f"--out={old}"])
     assert sorted(p.name for p in old.iterdir()) == ["nanomind.json", "tokenizer.tiktoken"]
     assert load_tokenizer(old).vocab_size == 300
 

@@ -106,7 +106,7 @@ def test_a_changed_base_checkpoint_is_a_one_line_error(trained, tmp_path):
     torch.save(state, moved)
     with pytest.raises(CheckpointError, match=r"lora\.pt holds LoRA adapters trained on another .*other_base\.pt"):
         model_from_checkpoint(str(moved))
-    done = subprocess.run([sys.executable, "sample.py", "--ckpt", str(moved), "--prompt", "hi"], cwd=REPO,
+    done = subprocess.run([sys.executable, "sample.py", f"--ckpt={moved}", "--prompt=hi"], cwd=REPO,
                           capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")
     assert "digest" in done.stderr

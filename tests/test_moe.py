@@ -274,6 +274,6 @@ def test_yarn_runs_a_checkpoint_past_the_context_it_was_trained_at(tiny_pretrain
         plain(torch.tensor([ids]))
     model(torch.tensor([ids]))
     prompt = tokenizer.decode(ids)
-    done = run_script("sample.py", "--ckpt", str(tiny_pretrained), "--yarn", "4", "--prompt", prompt,
-                      "--max_new_tokens", "8", "--temperature", "0", "--device", "cpu")
+    done = run_script("sample.py", f"--ckpt={tiny_pretrained}", "--yarn=4", f"--prompt={prompt}",
+                      "--max_new_tokens=8", "--temperature=0", "--device=cpu")
     assert done.returncode == 0, done.stderr[-2000:]

@@ -124,7 +124,7 @@ def png_size(path) -> tuple[int, int]:
 def test_plot_writes_pngs_of_the_expected_size(kind, rows, n_panels, tmp_path, capsys):
     run = write(tmp_path / kind / "metrics.jsonl", rows)
     out = tmp_path / "plots"
-    plot.main([str(run.parent), "--out", str(out), "--smooth", "10"])
+    plot.main([str(run.parent), f"--out={out}", "--smooth=10"])
     n_rows = math.ceil(n_panels / plot.COLUMNS)
     assert png_size(out / "training.png") == (n_rows * plot.PANEL_H * plot.DPI, plot.COLUMNS * plot.PANEL_W * plot.DPI)
     assert (out / "grad_flow.png").exists() == (kind not in ("dpo", "rl"))  # only the LM runs log layer_grad_norms
@@ -138,7 +138,7 @@ def test_partial_last_line_and_nan_rows_while_a_run_is_writing(tmp_path, capsys)
     run = write(tmp_path / "live" / "metrics.jsonl", rows, tail='{"step": 61, "loss": 3.1, "gra')
     assert len(plot.read_metrics(str(run))) == len(rows)  # the half-written line is left out
     new = write(tmp_path / "new" / "metrics.jsonl", [])  # a run that has not logged yet
-    plot.main([str(run), str(new.parent), "--out", str(tmp_path / "plots")])  # a file and a dir, overlaid
+    plot.main([str(run), str(new.parent), f"--out={tmp_path / 'plots'}"])  # a file and a dir, overlaid
     assert png_size(tmp_path / "plots" / "training.png")[1] == plot.COLUMNS * plot.PANEL_W * plot.DPI
     out = capsys.readouterr().out
     assert "live: non_finite" in out and "new: no training rows yet" in out

@@ -60,8 +60,8 @@ def test_the_cli_uses_the_template_for_chat_checkpoints_and_plain_text_for_pretr
     tok = load_tokenizer()
     fed = []
     monkeypatch.setattr(sample, "respond", lambda model, tok, ids, *rest: fed.append(ids) or "")
-    sample.main(["--ckpt", str(tiny_sft), "--prompt", "What is 2 + 3?", "--max_new_tokens", "8"])
-    sample.main(["--ckpt", str(tiny_pretrained), "--prompt", "The capital of", "--max_new_tokens", "8"])
+    sample.main([f"--ckpt={tiny_sft}", "--prompt=What is 2 + 3?", "--max_new_tokens=8"])
+    sample.main([f"--ckpt={tiny_pretrained}", "--prompt=The capital of", "--max_new_tokens=8"])
     assert fed[0] == encode_chat(tok, [{"role": "user", "content": "What is 2 + 3?"}])[0]
     assert fed[1] == [tok.bos_id] + tok.encode("The capital of")
 
@@ -78,10 +78,10 @@ def test_sample_defaults_fit_a_short_context_model_and_a_bad_max_new_tokens_is_a
     generate = sample.generate
     monkeypatch.setattr(sample, "generate", lambda model, prompts, max_new, *rest: decoded.append(
         (len(prompts[0]), max_new)) or generate(model, prompts, max_new, *rest))
-    sample.main(["--ckpt", str(tiny_sft), "--prompt", "What is the capital of Kenya? " * 20])
+    sample.main([f"--ckpt={tiny_sft}", "--prompt=" + "What is the capital of Kenya? " * 20])
     (prompt, max_new), = decoded
     assert 0 < prompt <= max_seq_len // 2 and prompt + max_new == max_seq_len
-    result = run_script("sample.py", "--ckpt", str(tiny_sft), "--prompt", "hi", "--max_new_tokens", "128")
+    result = run_script("sample.py", f"--ckpt={tiny_sft}", "--prompt=hi", "--max_new_tokens=128")
     assert result.returncode == 2 and result.stderr.startswith("error: --max_new_tokens")
     assert len(result.stderr.strip().splitlines()) == 1
 

@@ -136,16 +136,15 @@ def test_prompt_mode_runs_the_tools_too(tmp_path, monkeypatch, capsys):
     tok = load_tokenizer()
     ckpt = chat_checkpoint(tmp_path / "chat.pt", tok)
     scripted(monkeypatch, tok, [call("unit_converter", {"value": 5, "from_unit": "km", "to_unit": "m"}), "5000 m."])
-    sample.main(["--ckpt", ckpt, "--tools", "unit_converter", "--prompt", "5 km in m?", "--temperature", "0",
-                 "--device", "cpu"])
+    sample.main([f"--ckpt={ckpt}", "--tools=unit_converter", "--prompt=5 km in m?", "--temperature=0", "--device=cpu"])
     shown = capsys.readouterr().out
     assert '[result] {"result": 5000.0, "unit": "m"}' in shown and shown.rstrip().endswith("5000 m.")
 
 
 def test_a_long_exchange_takes_what_the_context_has_left_and_tools_that_fill_it_are_an_error(tmp_path, monkeypatch):
     tok = load_tokenizer()
-    args = ["--ckpt", chat_checkpoint(tmp_path / "short.pt", tok, max_seq_len=256), "--tools", "builtin",
-            "--prompt", "hi", "--device", "cpu"]
+    args = [f"--ckpt={chat_checkpoint(tmp_path / 'short.pt', tok, max_seq_len=256)}", "--tools=builtin",
+            "--prompt=hi", "--device=cpu"]
     with pytest.raises(ConfigError, match="tools' descriptions take .* whole context is 256"):
         sample.main(args)
     limits = []
@@ -166,13 +165,13 @@ def test_tools_on_an_inst_checkpoint_a_pretrained_one_or_unknown_names_are_one_e
     nanomind = load_tokenizer(tk.NANOMIND_DIR)
     inst = chat_checkpoint(tmp_path / "inst.pt", nanomind, tokenizer_path=str(tk.NANOMIND_DIR))
     with pytest.raises(ConfigError, match=r"llama2 chat template, which cannot show tools"):
-        sample.main(["--ckpt", inst, "--tools", "builtin", "--prompt", "hi", "--device", "cpu"])
+        sample.main([f"--ckpt={inst}", "--tools=builtin", "--prompt=hi", "--device=cpu"])
     pretrained = chat_checkpoint(tmp_path / "pretrain.pt", load_tokenizer(), stage="pretrain")
     with pytest.raises(ConfigError, match="needs a chat checkpoint"):
-        sample.main(["--ckpt", pretrained, "--tools", "builtin", "--prompt", "hi", "--device", "cpu"])
+        sample.main([f"--ckpt={pretrained}", "--tools=builtin", "--prompt=hi", "--device=cpu"])
     chat = chat_checkpoint(tmp_path / "chat.pt", load_tokenizer())
-    result = run_script("sample.py", "--ckpt", chat, "--tools", "calculate_math,web_search", "--prompt", "hi",
-                        "--device", "cpu")
+    result = run_script("sample.py", f"--ckpt={chat}", "--tools=calculate_math,web_search", "--prompt=hi",
+                        "--device=cpu")
     assert result.returncode == 2 and result.stderr.startswith("error: tools: unknown tool 'web_search'")
     assert len(result.stderr.strip().splitlines()) == 1
 
@@ -184,9 +183,8 @@ def test_the_tiny_tool_model_answers_from_the_calculators_result(tiny_tools, dem
         questions = [json.loads(line)["conversations"][1]["content"] for line in list(f)[:4]]
     called = stated = 0
     for question in questions:
-        sample.main(["--ckpt", str(tiny_tools), "--tools", "calculate_math", "--system", "You are a helpful "
-                     "assistant.", "--prompt", question, "--temperature", "0", "--max_new_tokens", "48", "--device",
-                     "cpu"])
+        sample.main([f"--ckpt={tiny_tools}", "--tools=calculate_math", "--system=You are a helpful assistant.",
+                     f"--prompt={question}", "--temperature=0", "--max_new_tokens=48", "--device=cpu"])
         shown = capsys.readouterr().out
         made = re.search(r'\[call\] calculate_math\(\{"expression": "(\d+) ?\* ?(\d+)"\}\)\n\[result\] (.*)\n', shown)
         if made:

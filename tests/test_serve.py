@@ -77,7 +77,7 @@ def test_greedy_chat_answers_are_sample_py_s_with_the_tokenizer_s_usage(client, 
             expected["prompt_tokens"], expected["completion_tokens"])
         assert answer.usage.total_tokens == expected["prompt_tokens"] + expected["completion_tokens"]
         room = str(min(40, TINY_CONTEXT - expected["prompt_tokens"]))  # as the reference: the prompt whole, then what fits
-        sample.main(["--ckpt", str(tiny_sft), "--prompt", q, "--temperature", "0", "--max_new_tokens", room])
+        sample.main([f"--ckpt={tiny_sft}", f"--prompt={q}", "--temperature=0", f"--max_new_tokens={room}"])
         assert capsys.readouterr().out.strip() == expected["content"].strip()  # print ends the line
     assert any(reference[q]["content"] for q in QUESTIONS)  # the tiny model says something
 

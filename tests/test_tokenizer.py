@@ -47,8 +47,7 @@ def corpus(tmp_path_factory) -> list[Path]:
 
 
 def train(corpus: list[Path], out: Path, vocab_size: int, backend: str = "tiktoken") -> Path:
-    train_main(["--input", *map(str, corpus), "--vocab_size", str(vocab_size), "--out", str(out),
-                "--backend", backend])
+    train_main([*map(str, corpus), f"--vocab_size={vocab_size}", f"--out={out}", f"--backend={backend}"])
     return out
 
 
@@ -141,8 +140,8 @@ def test_trainer_is_deterministic(corpus, bpe_dir, tmp_path):
     outs = []
     for seed in ("1", "2"):
         out = tmp_path / seed
-        cmd = [sys.executable, str(ROOT / "train_tokenizer.py"), "--input", *map(str, corpus),
-               "--vocab_size", str(BPE_VOCAB), "--out", str(out)]
+        cmd = [sys.executable, str(ROOT / "train_tokenizer.py"), *map(str, corpus),
+               f"--vocab_size={BPE_VOCAB}", f"--out={out}"]
         subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": seed})
         outs.append(out)
     for name in ("tokenizer.tiktoken", "nanomind.json"):
@@ -165,8 +164,7 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path, line, backend):
     bad = tmp_path / "broken.jsonl"
     bad.write_bytes(b'{"text": "fine"}\n\n' + line + b"\n")
     with pytest.raises(ValueError, match=r"broken\.jsonl:3: "):
-        train_main(["--input", str(bad), "--vocab_size", "300", "--out", str(tmp_path / "tok"),
-                    "--backend", backend])
+        train_main([str(bad), "--vocab_size=300", f"--out={tmp_path / 'tok'}", f"--backend={backend}"])
     assert not (tmp_path / "tok" / "tokenizer.model").exists()
 
 

@@ -4,10 +4,10 @@ and English prose from Debian's documentation packages (a Debian 12 machine):
 
     apt-get install -y manpages-zh debian-reference-zh-cn debian-reference-en fortunes-zh debian-faq-zh-cn \
         maint-guide-zh-cn debian-edu-doc-zh-cn libreoffice-help-zh-cn gimp-help-en python3.11-doc
-    python vocab/nanomind/make_corpus.py /tmp/corpus            # -> /tmp/corpus/train.jsonl, heldout*.txt
+    python vocab/nanomind/make_corpus.py --out_dir=/tmp/corpus   # -> /tmp/corpus/train.jsonl, heldout*.txt
     python prepare_demo.py
-    python train_tokenizer.py --input /tmp/corpus/train.jsonl data/demo/pretrain.jsonl data/demo/sft.jsonl \
-        --vocab_size 6400 --out vocab/nanomind
+    python train_tokenizer.py /tmp/corpus/train.jsonl data/demo/pretrain.jsonl data/demo/sft.jsonl \
+        --vocab_size=6400 --out=vocab/nanomind
 
 The held-out files (every document whose crc32 is 0 mod 20) measure compression; they are not trained on.
 """
@@ -20,6 +20,17 @@ import random
 import re
 import sys
 import zlib
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository's modules
+from config import load_config  # noqa: E402
+from errors import cli  # noqa: E402
+
+
+@dataclass
+class Config:
+    # --- I/O
+    out_dir: str = "corpus"  # where train.jsonl and the held-out heldout*.txt go
 
 
 def strip_html(s: str) -> str:
@@ -72,7 +83,9 @@ def documents() -> dict[str, list[str]]:
     return docs
 
 
-def main(out_dir: str):
+def main(argv: list[str]):
+    (cfg,) = load_config(argv, Config)
+    out_dir = cfg.out_dir
     rng = random.Random(0)
     train, held = [], {"zh": [], "en": []}
     budget = {"zh": 12.0e6, "en": 9.0e6}  # bytes per language
@@ -96,6 +109,4 @@ def main(out_dir: str):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 or sys.argv[1:] in (["-h"], ["--help"]):
-        raise SystemExit(__doc__ + "\nusage: python vocab/nanomind/make_corpus.py [OUT_DIR (default: corpus)]")
-    main(sys.argv[1] if len(sys.argv) > 1 else "corpus")
+    cli(main)
