@@ -6,6 +6,7 @@ One-shot checks to run before a long job: each finds in minutes a bug that would
     python diagnose.py data --data_path=data/sft_mini_512.jsonl --kind=sft        # lengths, duplicates, loss mask
     python diagnose.py activations configs/26m.py                # NaN/Inf, dead or huge activations, odd weights
     python diagnose.py memory configs/26m.py --batch_size=32      # estimated vs measured training memory
+    python diagnose.py batch_size configs/26m.py                 # the largest micro-batch that fits the device
     python diagnose.py experts --ckpt=out/pretrain/best.pt --data_path=data/pretrain_hq.jsonl --steps=20  # routing
 
 Keys: Config below and the model's (ModelConfig in model.py), from a config file and --key=value flags; a training
@@ -13,7 +14,6 @@ config works as it is (its keys that mean nothing here are named once and droppe
 tokenizer) from --ckpt instead. Without data_path, batches are random tokens. PNGs go to out_dir.
 `python diagnose.py --help` lists every key.
 """
-import ctypes
 import dataclasses
 import hashlib
 import json
@@ -34,7 +34,8 @@ from config import DPOConfig, PretrainConfig, SFTConfig, help_text, load_config 
 from data import Loader, PretrainData, SFTData  # noqa: E402
 from errors import BadRecord, CheckpointError, ConfigError, cli  # noqa: E402
 from minhash import SHINGLE, DuplicateFinder, record_text, snippets  # noqa: E402
-from model import ATTENTION_TILE, ModelConfig, MoEFeedForward, Transformer  # noqa: E402
+from memory import MARGIN, GiB, capacity, estimate_memory, find_batch_size, measure_memory, split_global_batch  # noqa: E402
+from model import ModelConfig, MoEFeedForward, Transformer  # noqa: E402
 from optim import set_lr  # noqa: E402
 from runtime import setup  # noqa: E402
 from token_cache import encode_pretrain, encode_sft, parse_line, tokenize_file  # noqa: E402
@@ -55,7 +56,10 @@ class Config:
     max_records: int | None = None  # data: read only the first this many records
     near_dup_threshold: float = 0.8  # data: estimated Jaccard similarity of character 5-grams of a near duplicate
     # --- the checks (model keys: see ModelConfig)
-    batch_size: int = 8
+    batch_size: int = 8  # batch_size: with accum_steps, the global batch per rank to keep
+    accum_steps: int = 1  # batch_size: micro-batches per optimizer step
+    optimizer: str = "adamw"  # batch_size: adamw | muon, as training's (their state takes memory)
+    max_memory_gb: float | None = None  # batch_size: a step's budget; None: the GPU's memory, or the CPU's RAM
     steps: int = 100  # overfit: at most this many steps; lr_find: the length of the sweep; experts: batches
     lr: float = 1e-3  # overfit
     # --- system
@@ -298,96 +302,7 @@ def check_activations(model, batch, max_abs: float = 1e4) -> list[tuple[str, str
 
 
 # -----------------------------------------------------------------------------
-# memory
-
-def estimate_memory(model_cfg: ModelConfig, batch_size: int, dtype: str, device_type: str) -> dict[str, int]:
-    """Bytes of training. Weights, gradients and AdamW's two moments: 4 + 4 + 8 bytes per parameter, all float32
-    (autocast keeps float32 weights). Activations: what autograd saves per token, counted layer by layer from
-    model.py (a rule of thumb per parameter misses attention's growth with T and the head's with vocab_size)."""
-    with torch.device("meta"):  # shapes only, no memory
-        n_params = Transformer(model_cfg).num_params()
-    c, T, tokens = model_cfg, model_cfg.max_seq_len, batch_size * model_cfg.max_seq_len
-    kv_dim, w = c.n_kv_heads * c.head_dim, 2 if dtype in ("bfloat16", "float16") else 4
-    # per block, float32: each of its two RMSNorms keeps x, rsqrt and x * rsqrt; compute dtype: each norm's output
-    # as a matmul input (autocast casts it once per matmul: wq, wk, wv; w1, w3), attention's q, k, v, output and
-    # wo input, SwiGLU's w1 and w3 outputs, silu(w1 x) and their product
-    block32 = 2 * (2 * c.dim + 1)
-    block_low = (5 if w == 2 else 2) * c.dim + 3 * c.dim + 2 * kv_dim + 4 * c.ffn_dim
-    if c.uses_flash(device_type):
-        block32 += c.n_heads  # one logsumexp per head
-    else:  # the math path keeps float32 probabilities over the keys each row's tile sees (and their low-precision
-        # copy under autocast), not the attention output
-        tiles = [(t0, min(t0 + ATTENTION_TILE, T)) for t0 in range(0, T, ATTENTION_TILE)]  # query rows t0 .. t1-1
-        keys = sum((t1 - t0) * t1 for t0, t1 in tiles) // T  # scores per query row, on average: each row sees t1
-        block32 += c.n_heads * keys
-        block_low += (c.n_heads * keys if w == 2 else 0) - c.dim
-    block = 4 * block32 + w * block_low
-    # after the blocks: the final norm (float32), its output as the head's input, the loss's log-softmax
-    head = 4 * (2 * c.dim + 1 + c.vocab_size) + w * c.dim
-    # grad_checkpoint: a block keeps only its float32 input, and backward recomputes one block at a time
-    blocks = c.n_layers * 4 * c.dim if c.grad_checkpoint else c.n_layers * block
-    # + autocast's low-precision copies of the weights: of the head's alone when the blocks are recomputed
-    copies = (c.vocab_size * c.dim if c.grad_checkpoint else n_params) * w if w == 2 else 0
-    activations = tokens * (blocks + head) + copies
-    # the step's peak: backward starts with every activation alive (and one recomputed block) plus two float32
-    # (B, T, vocab) gradients of the logits; the weight gradients grow while activations are freed
-    peak = activations + tokens * (block if c.grad_checkpoint else 0) + 8 * tokens * c.vocab_size + 4 * n_params
-    return {"n_params": n_params, "weights": 4 * n_params, "gradients": 4 * n_params, "adamw": 8 * n_params,
-            "activations": activations, "peak": peak}
-
-
-def rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
-def reset_peak(device) -> int | None:
-    """Start measuring a peak; returns the memory in use now (None: this system cannot measure a CPU peak)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device)
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc: return freed heap to the OS, or its reuse hides the peak
-        with open("/proc/self/clear_refs", "w") as f:  # Linux: reset the peak resident set (VmHWM) to the current
-            f.write("5")
-        return rss_bytes("VmRSS")
-    except (OSError, AttributeError):
-        return None
-
-
-def measure_memory(model, batch, autocast=nullcontext) -> dict[str, int | None]:
-    """Two AdamW steps on batch (X, Y, loss_mask); the second is measured as a long run sees it (the moments
-    exist): bytes of weights, gradients, moments, of the tensors autograd saves for backward (distinct storages,
-    weights excluded), and the peak above the memory in use before it (CUDA: max_memory_allocated; CPU: the
-    resident set, Linux only)."""
-    X, Y, loss_mask = batch
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in weights:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    train_step(model, optimizer, X, Y, loss_mask, autocast)  # allocates the moments
-    optimizer.zero_grad(set_to_none=True)
-    before = reset_peak(X.device)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
-        _, loss = model(X, Y, loss_mask)
-    loss.backward()
-    optimizer.step()
-    if X.device.type == "cuda":
-        torch.cuda.synchronize(X.device)
-        peak = torch.cuda.max_memory_allocated(X.device) - before
-    else:
-        peak = rss_bytes("VmHWM") - before if before is not None else None
-    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-    return {"weights": nbytes(model.parameters()), "gradients": nbytes(p.grad for p in model.parameters()),
-            "adamw": nbytes(v for state in optimizer.state.values() for v in state.values() if v.dim() > 0),
-            "activations": sum(saved.values()), "peak": peak}
-
+# memory (measured and estimated in memory.py)
 
 def print_memory(est: dict, measured: dict):
     gib = lambda b: "" if b is None else f"{b / 2**30:10.3f} GiB"  # noqa: E731
@@ -511,6 +426,7 @@ COMMANDS = {"overfit": "can the model memorise one batch? (one that cannot has a
             "data": "lengths, exact and near duplicates and (kind=sft) the loss mask of data_path: lengths.png",
             "activations": "NaN/Inf, dead or huge activations in one forward pass, and odd weights",
             "memory": "estimated against measured training memory",
+            "batch_size": "the largest micro-batch that fits: the batch_size and accum_steps that keep the global batch",
             "experts": "the share of the tokens each expert of --ckpt takes, per layer, and collapsed experts"}
 USAGE = f"usage: python diagnose.py {{{'|'.join(COMMANDS)}}} [config_file.py] [--key=value ...]"
 SCHEMAS = (Config, ModelConfig)
@@ -557,6 +473,20 @@ def report_data(cfg: Config, model_cfg: ModelConfig):
     print(f"wrote {path}")
 
 
+def report_batch_size(model_cfg: ModelConfig, cfg: Config, run):
+    budget = int(cfg.max_memory_gb * GiB) if cfg.max_memory_gb else capacity(run.device)
+    if budget is None:
+        raise ConfigError("this system does not tell its memory: pass --max_memory_gb")
+    global_batch = cfg.batch_size * cfg.accum_steps
+    print(f"micro-batches of max_seq_len={model_cfg.max_seq_len} random tokens, {cfg.optimizer}, {run.dtype} on "
+          f"{run.device}, up to {global_batch} rows (batch_size x accum_steps); a step may take {MARGIN:.0%} of "
+          f"{budget / GiB:.2f} GiB ({'peak allocated' if run.device.type == 'cuda' else 'peak resident memory'})")
+    fits = find_batch_size(model_cfg, cfg, run, budget)
+    batch_size, accum_steps = split_global_batch(fits, global_batch)
+    print(f"largest that fits: {fits}; keeping the global batch of {global_batch} per rank:\n"
+          f"--batch_size={batch_size} --accum_steps={accum_steps}")
+
+
 def main(argv: list[str]):
     if "-h" in argv or "--help" in argv:
         print_help()
@@ -567,6 +497,9 @@ def main(argv: list[str]):
     cfg, model_cfg = load_config(argv[1:], *SCHEMAS, ignored=TRAINING)
     if cfg.kind not in ("pretrain", "sft"):
         raise ConfigError(f"config key 'kind' must be pretrain or sft, got {cfg.kind!r}")
+    if cfg.optimizer not in ("adamw", "muon") or not (cfg.max_memory_gb or 1) > 0:
+        raise ConfigError(f"config keys 'optimizer' (adamw or muon) and 'max_memory_gb' (above 0): got "
+                          f"{cfg.optimizer!r}, {cfg.max_memory_gb!r}")
     if not 0 < cfg.near_dup_threshold <= 1:
         raise ConfigError(f"config key 'near_dup_threshold' must be in (0, 1], got {cfg.near_dup_threshold}")
     run = setup(cfg.device, cfg.dtype, cfg.seed)
@@ -575,6 +508,8 @@ def main(argv: list[str]):
         return report_data(cfg, model_cfg)
     if command == "experts":
         return report_experts(cfg, run)
+    if command == "batch_size":
+        return report_batch_size(model_cfg, cfg, run)
     next_batch = batches(cfg, model_cfg, run.device)
     model = Transformer(model_cfg).to(run.device)
     print(f"{model.num_params():,} parameters; batches of {cfg.batch_size} x {model_cfg.max_seq_len} "

@@ -44,6 +44,10 @@ class DiskFullError(UserError, OSError):
     """No space left (or over quota) where a file was being written; nothing already written was replaced."""
 
 
+class OutOfMemoryError(UserError, MemoryError):
+    """The device ran out of memory during training; said by the rank it happened on (memory.out_of_memory)."""
+
+
 # -----------------------------------------------------------------------------
 # a key's valid values: (test of a value, the rule as an error says it), for config.RANGES and model.MODEL_RANGES
 
@@ -70,6 +74,7 @@ def cli(main):
     try:
         main(sys.argv[1:])
     except (UserError, FileNotFoundError) as e:
-        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every rank fails alike: rank 0 says it
+        # under torchrun every rank fails alike, and rank 0 says it; memory runs out on one rank, which says it
+        if int(os.environ.get("RANK", 0)) == 0 or isinstance(e, OutOfMemoryError):
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

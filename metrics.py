@@ -12,7 +12,9 @@ from contextlib import contextmanager
 
 import torch
 
+from errors import OutOfMemoryError
 from fileio import append_line
+from memory import MemoryWatch, is_out_of_memory, out_of_memory
 from runtime import Run, all_reduce_mean, print0, synchronize
 
 
@@ -47,7 +49,8 @@ def measure_peak_flops(device: torch.device, dtype: str, n: int = 2048, repeats:
 
 class StepTimer:
     """Tokens/s, MFU and the data/forward/backward/optimizer split of the steps since the last read(). On CUDA
-    the phases are timed with events, read at the next log step, so timing never waits for the GPU."""
+    the phases are timed with events, read at the next log step, so timing never waits for the GPU. It also watches
+    the memory in use at each read (MemoryWatch) and turns running out of memory in a phase into one error line."""
 
     PHASES = ("data", "forward", "backward", "optimizer")
 
@@ -60,30 +63,50 @@ class StepTimer:
         self.tokens = self.flops = 0  # this rank's, since the last read
         self.seconds = dict.fromkeys(phases, 0.0)
         self.events: list = []  # CUDA: (phase, start event, end event)
+        self.step, self.shape = start_step + 1, None  # the step under way and its last batch's shape
+        self.memory = MemoryWatch(run.device, start_step)
+
+    def begin(self, step: int):
+        """A step starts (its number as the log shows it: step + 1): an out-of-memory error names it."""
+        self.step = step + 1
 
     @contextmanager
     def phase(self, name: str):
-        if self.run.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        """Time a part of the step."""
+        with self.memory_errors(name):
+            if self.run.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                yield
+                end.record()
+                self.events.append((name, start, end))
+            else:
+                t0 = time.perf_counter()
+                yield
+                self.seconds[name] += time.perf_counter() - t0
+
+    @contextmanager
+    def memory_errors(self, where: str):
+        """The device running out of memory in here is one error line: the step, where, the batch, the memory."""
+        try:
             yield
-            end.record()
-            self.events.append((name, start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self.seconds[name] += time.perf_counter() - t0
+        except Exception as e:
+            if isinstance(e, OutOfMemoryError) or not is_out_of_memory(e):
+                raise
+            raise out_of_memory(e, self.step, where, self.shape, self.run.device) from e
 
     def count(self, X: torch.Tensor, flops_per_token: float):
         """Once per micro-batch: the tokens it fed the model, and the training FLOPs they took."""
         self.tokens += X.numel()
         self.flops += flops_per_token * X.numel()
+        self.shape = tuple(X.shape)
 
     @contextmanager
     def paused(self):
         """Time spent here (evaluation, saving) is not training time."""
         t0 = time.time()
-        yield
+        with self.memory_errors("evaluation or saving"):
+            yield
         self.t_last += time.time() - t0
 
     def read(self, step: int) -> dict[str, float]:
@@ -99,6 +122,8 @@ class StepTimer:
                "eta_s": elapsed / (step - self.start_step) * (self.max_steps - step)}
         self.t_last, self.tokens, self.flops = now, 0, 0
         self.seconds, self.events = dict.fromkeys(self.phases, 0.0), []
+        if warning := self.memory.sample(step):
+            print0(warning)
         return row
 
 

@@ -114,6 +114,7 @@ def main(argv: list[str]):
             log.write({"step": 0, **validation_metrics(raw_model, teacher, val_loader, cfg, run)})
 
     while step < max_steps:
+        timer.begin(step)  # an out-of-memory error names the step
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
         # as in SFT: the step's loss is a mean over all its loss-carrying tokens on all ranks, counted first
         with timer.phase("data"):
@@ -122,6 +123,9 @@ def main(argv: list[str]):
         sums = torch.zeros(3, device=run.device)  # loss, KL, cross-entropy
         aux_sum = torch.zeros((), device=run.device)
         for micro_step, (X, Y, loss_mask, _) in enumerate(batches):
+            # the student's training FLOPs and the teacher's forward (a third of training's), counted before the
+            # work: an error names this batch
+            timer.count(X, raw_model.flops_per_token(X.size(1)) + teacher.flops_per_token(X.size(1)) / 3)
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
                     with torch.no_grad():
@@ -135,8 +139,6 @@ def main(argv: list[str]):
                     scaler.scale(loss + aux / cfg.accum_steps).backward()
             aux_sum += aux.detach()
             sums += torch.stack([loss.detach(), kl_sum * run.world_size / n_tokens, ce_sum * run.world_size / n_tokens])
-            # the student's training FLOPs and the teacher's forward (a third of training's)
-            timer.count(X, raw_model.flops_per_token(X.size(1)) + teacher.flops_per_token(X.size(1)) / 3)
         with timer.phase("optimizer"):
             # all ranks step, skip and stop alike
             loss, kl, ce, stop_votes = all_reduce_mean(torch.cat([sums, stop.vote().view(1)]), run)

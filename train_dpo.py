@@ -157,6 +157,7 @@ def main(argv: list[str]):
     token_bytes = count_token_bytes(tokenizer)  # for val_bpb
 
     while step < max_steps:
+        timer.begin(step)  # an out-of-memory error names the step
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
         # DPO's loss is a mean over pairs, and every micro-batch holds batch_size pairs: the mean of the
         # micro-batches' means is the mean over the whole step's pairs, on every rank alike
@@ -165,6 +166,7 @@ def main(argv: list[str]):
         for micro_step in range(cfg.accum_steps):
             with timer.phase("data"):
                 batch = loader.next_batch()
+            timer.count(batch[0], raw_model.flops_per_token(batch[0].size(1)))  # before the work: an error names it
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
                     loss, metrics, aux = pair_loss(model, reference, batch, "train", cfg)
@@ -172,7 +174,6 @@ def main(argv: list[str]):
                     scaler.scale((loss + aux) / cfg.accum_steps).backward()
             sums += torch.stack([loss.detach(), *(metrics[k].float() for k in METRICS)])
             aux_sum += aux.detach()
-            timer.count(batch[0], raw_model.flops_per_token(batch[0].size(1)))
         with timer.phase("optimizer"):
             # all ranks step, skip and stop alike
             loss, *metrics, stop_votes = all_reduce_mean(torch.cat([sums / cfg.accum_steps, stop.vote().view(1)]), run)

@@ -142,6 +142,7 @@ def main(argv: list[str]):
             log.write({"step": 0, **validation_reward(raw_model, val_loader, rewarder, cfg, tokenizer, run, toolbox)})
 
     while step < max_steps:
+        timer.begin(step)  # an out-of-memory error names the step
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
         # every micro-batch's rollouts come first: the loss divides by the completion tokens of them all
         with timer.phase("rollout"):
@@ -173,6 +174,7 @@ def main(argv: list[str]):
             sums = torch.zeros(3, device=run.device)  # the loss, kl and clipped tokens, summed over this rank's tokens
             aux_sum = torch.zeros((), device=run.device)
             for micro_step, b in enumerate(batches):
+                timer.count(b.X, raw_model.flops_per_token(b.X.size(1)))  # before the work: an error names it
                 with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                     with timer.phase("forward"), run.autocast():
                         logp = token_logprobs(model, b.X, b.Y)
@@ -185,7 +187,6 @@ def main(argv: list[str]):
                         scaler.scale(loss + aux / len(batches)).backward()
                 sums += torch.stack([loss_sum.detach(), m["kl"], m["clipped"]])
                 aux_sum += aux.detach()
-                timer.count(b.X, raw_model.flops_per_token(b.X.size(1)))
             with timer.phase("optimizer"):
                 loss, kl, clip_frac = all_reduce_sum(sums, run) / n_tokens  # the same on every rank
                 scaler.unscale_(optimizer)  # float16: clip the true gradients, not the scaled ones

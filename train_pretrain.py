@@ -41,11 +41,13 @@ def main(argv: list[str]):
     token_bytes = count_token_bytes(tokenizer)  # for val_bpb
 
     while step < max_steps:
+        timer.begin(step)  # an out-of-memory error names the step
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
         loss_sum, aux_sum = torch.zeros((), device=run.device), torch.zeros((), device=run.device)
         for micro_step in range(cfg.accum_steps):
             with timer.phase("data"):
                 X, Y, loss_mask, _ = loader.next_batch()
+            timer.count(X, raw_model.flops_per_token(X.size(1)))  # before the work: an error names it
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
                     _, loss = model(X, Y, loss_mask)
@@ -54,7 +56,6 @@ def main(argv: list[str]):
                     scaler.scale((loss + aux) / cfg.accum_steps).backward()
             loss_sum += loss.detach()
             aux_sum += aux.detach()
-            timer.count(X, raw_model.flops_per_token(X.size(1)))
         with timer.phase("optimizer"):
             # all ranks step, skip and stop alike
             loss, stop_votes = all_reduce_mean(torch.stack([loss_sum / cfg.accum_steps, stop.vote()]), run)

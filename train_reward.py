@@ -65,6 +65,7 @@ def main(argv: list[str]):
     model, raw_model, optimizer, scaler, guard, checkpoints, step, log, stop, profiler, timer = training
 
     while step < max_steps:
+        timer.begin(step)  # an out-of-memory error names the step
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
         # the loss is a mean over pairs, and every micro-batch holds batch_size pairs: the mean of the
         # micro-batches' means is the mean over the whole step's pairs, on every rank alike
@@ -73,6 +74,7 @@ def main(argv: list[str]):
         for micro_step in range(cfg.accum_steps):
             with timer.phase("data"):
                 batch = loader.next_batch()
+            timer.count(batch[0], raw_model.flops_per_token(batch[0].size(1)))  # before the work: an error names it
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
                     loss, metrics = pair_loss(model, batch)
@@ -81,7 +83,6 @@ def main(argv: list[str]):
                     scaler.scale((loss + aux) / cfg.accum_steps).backward()
             sums += torch.stack([loss.detach(), *(metrics[k].float() for k in METRICS)])
             aux_sum += aux.detach()
-            timer.count(batch[0], raw_model.flops_per_token(batch[0].size(1)))
         with timer.phase("optimizer"):
             # all ranks step, skip and stop alike
             loss, *metrics, stop_votes = all_reduce_mean(torch.cat([sums / cfg.accum_steps, stop.vote().view(1)]), run)

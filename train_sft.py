@@ -42,6 +42,7 @@ def main(argv: list[str]):
             log.write({"step": 0, **validation_loss(raw_model, val_loader, cfg.eval_steps, run, token_bytes)})
 
     while step < max_steps:
+        timer.begin(step)  # an out-of-memory error names the step
         set_lr(optimizer, lr := get_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=warmup_steps, max_steps=max_steps))
         # the step's loss is the mean over the answer tokens of all its micro-batches on all ranks, so that
         # batch_size x accum_steps x ranks is exactly one big batch: count those tokens before any backward
@@ -50,6 +51,7 @@ def main(argv: list[str]):
             n_tokens = all_reduce_sum(sum(loss_mask.sum() for _, _, loss_mask, _ in batches), run).clamp(min=1)
         loss_sum, aux_sum = torch.zeros((), device=run.device), torch.zeros((), device=run.device)
         for micro_step, (X, Y, loss_mask, _) in enumerate(batches):
+            timer.count(X, raw_model.flops_per_token(X.size(1)))  # before the work: an error names it
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
                     _, ce_sum = model(X, Y, loss_mask, reduction="sum")  # over this micro-batch's answer tokens
@@ -59,7 +61,6 @@ def main(argv: list[str]):
                     scaler.scale(loss + aux / cfg.accum_steps).backward()
             loss_sum += loss.detach()
             aux_sum += aux.detach()
-            timer.count(X, raw_model.flops_per_token(X.size(1)))
         with timer.phase("optimizer"):
             # the loss = the whole step's sum / n_tokens, the same on every rank; all ranks stop alike
             loss, stop_votes = all_reduce_mean(torch.stack([loss_sum, stop.vote()]), run)

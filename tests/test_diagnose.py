@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import diagnose
+import memory
 import model as model_py
 from conftest import REPO, TINY_MODEL
 from errors import CheckpointError, ConfigError
@@ -153,11 +154,11 @@ def test_activations_name_the_layer_with_an_injected_bad_weight(layer, bad, weig
 @pytest.mark.parametrize("tile", [64, 8])  # the math path in one tile (T = 32) and in four
 def test_memory_estimate_matches_what_autograd_saves(flash, grad_checkpoint, dtype, tile, monkeypatch):
     monkeypatch.setattr(model_py, "ATTENTION_TILE", tile)
-    monkeypatch.setattr(diagnose, "ATTENTION_TILE", tile)
+    monkeypatch.setattr(memory, "ATTENTION_TILE", tile)
     model = tiny_model(flash=flash, grad_checkpoint=grad_checkpoint)
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")  # noqa: E731
-    measured = diagnose.measure_memory(model, random_batch(batch_size=4), autocast)
-    est = diagnose.estimate_memory(model.config, batch_size=4, dtype=dtype, device_type="cpu")
+    measured = memory.measure_memory(model, random_batch(batch_size=4), autocast)
+    est = memory.estimate_memory(model.config, batch_size=4, dtype=dtype, device_type="cpu")
     assert est["n_params"] == model.num_params()
     assert (est["weights"], est["gradients"], est["adamw"]) == (measured["weights"], measured["gradients"], measured["adamw"])
     assert measured["activations"] == pytest.approx(est["activations"], rel=0.1)
@@ -264,7 +265,7 @@ def test_a_training_config_works_as_it_is_and_its_training_keys_are_named_once(t
     (ignoring,) = [line for line in out.splitlines() if line.startswith("ignoring training keys")]
     ignored = ignoring.split(": ", 1)[1].split(", ")
     assert {"val_fraction", "max_steps", "warmup_steps", "eval_interval"} <= set(ignored)
-    assert not {"lr", "batch_size", "out_dir", "data_path", "dim", "flash"} & set(ignored)  # those apply here
+    assert not {"lr", "batch_size", "accum_steps", "optimizer", "out_dir", "data_path", "dim", "flash"} & set(ignored)
     # the flags' tiny shape over the file's, with the default vocab_size (the file sets none)
     n_params = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)).num_params()
     assert f"{n_params:,} parameters; batches of 2 x 32 random tokens" in out
@@ -279,7 +280,7 @@ def run_script(*args) -> subprocess.CompletedProcess:
 def test_help_lists_the_commands_and_every_key_with_its_default(args):
     done = run_script(*args)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("usage: python diagnose.py {overfit|lr_find|data|activations|memory|experts}")
+    assert done.stdout.startswith("usage: python diagnose.py {overfit|lr_find|data|activations|memory|batch_size|experts}")
     listed = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  --")}
     assert {"--steps=100", "--lr=0.001", "--n_kv_heads=2"} <= listed  # diagnose's keys and the model's
     assert "val_fraction" in done.stdout.splitlines()[-1]  # the training keys it accepts and ignores
