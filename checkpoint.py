@@ -201,7 +201,8 @@ def rng_state() -> dict:
     """Every generator's state as tensors, numbers and strings: loadable with weights_only."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {"python": random.getstate(), "numpy": (kind, keys.tolist(), pos, has_gauss, gauss),
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+            # the rank's own GPU alone (setup made it current): a machine with fewer GPUs can resume it
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else []}
 
 
 def set_rng_state(state: dict):
@@ -209,8 +210,10 @@ def set_rng_state(state: dict):
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state["cuda"]
+    if not torch.cuda.is_available() or (isinstance(cuda, list) and len(cuda) <= torch.cuda.current_device()):
+        return  # no GPU here, or an older checkpoint's list of every GPU's state without this one
+    torch.cuda.set_rng_state(cuda[torch.cuda.current_device()] if isinstance(cuda, list) else cuda)
 
 
 def gather_rng_states(run: Run) -> list[dict]:
