@@ -337,3 +337,57 @@ def wait_until(condition, seconds: float = 60) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+# --- devices: the tests that prove a path run on every device this machine has ---------------------
+
+# CPU always; CUDA and MPS where present (an absent one is not collected). `bash .ci/gpu` selects the CUDA cases
+# with -k cuda; on a CPU machine each such test is its CPU case alone, as before.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) + (
+    ["mps"] if torch.backends.mps.is_available() else [])
+
+# How far two computations of one value of order 1 may differ, by the precision they ran in. Stated once; a test
+# takes max(its own CPU float32 bound, this) off the CPU (bound()), so that its CPU float32 case keeps its bound.
+TOLERANCES = {
+    "float32": 1e-4,  # float32 on another device: other tilings and split-K orders, 3xTF32 in fused attention
+    "tf32": 5e-3,  # CUDA float32 matmuls in TF32 (runtime.open_device asks for "high"): 10-bit mantissa, 2^-11
+    "float16": 5e-3,  # 10-bit mantissa: 2^-11 = 5e-4 per rounding, a few roundings deep, fp32 accumulation
+    "bfloat16": 4e-2,  # 7-bit mantissa: 2^-8 = 4e-3 per rounding, a few roundings deep, fp32 accumulation
+}
+
+
+def bound(cpu_float32: float, device: str, dtype: str = "float32") -> float:
+    """A test's bound on device in dtype: its own CPU float32 bound there, else at least TOLERANCES[dtype]."""
+    if device == "cpu" and dtype == "float32":
+        return cpu_float32
+    return max(cpu_float32, TOLERANCES[dtype])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    """Each device this machine has, by name ("cpu", "cuda", "mps"). On CUDA, float32 matmuls run in IEEE float32
+    during the test (TOLERANCES["float32"] holds for a model called directly), whatever an earlier test's
+    runtime.open_device left set; a training script run inside the test turns TF32 on again ("tf32")."""
+    if request.param != "cuda":
+        yield request.param
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield request.param
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def on_device(device: str, *flags) -> list[str]:
+    """A tiny run's flags (after TINY_RUN) for device: on CUDA uncompiled (compile is its own test, in
+    tests/test_devices.py), so that each run does not spend half a minute compiling."""
+    if device == "cpu":
+        return list(flags)  # TINY_RUN's device: the CPU case is the test as it was
+    return [f"--device={device}", *(["--compile=False"] if device == "cuda" else []), *flags]
+
+
+def repeatable(device: str, *flags) -> list[str]:
+    """on_device(device, *flags), for runs compared bit for bit: on CUDA the math attention path, since the backward
+    of SDPA's fused kernels adds with atomics in any order (unless torch.use_deterministic_algorithms)."""
+    return on_device(device, *flags, *(["--flash=False"] if device == "cuda" else []))

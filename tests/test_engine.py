@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import model as model_py
-from conftest import tiny
+from conftest import bound, tiny
 from engine import (Engine, KVCache, Row, Sampling, TextStream, borders, complete, generate, overlap, prompt_ids,
                     sample_next)
 from model import Transformer
@@ -45,60 +45,62 @@ def alone(model, prompt: list[int], max_new: int) -> list[int]:
 # --- the KV cache ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flash, tile", TILES)
-def test_decoding_with_the_kv_cache_gives_the_logits_of_a_full_forward(flash, tile, monkeypatch):
+def test_decoding_with_the_kv_cache_gives_the_logits_of_a_full_forward(flash, tile, device, monkeypatch):
     monkeypatch.setattr(model_py, "ATTENTION_TILE", tile)
-    model = sharpen(tiny(flash=flash)).eval()
-    idx = ids(model, B=2, T=12)
+    model = sharpen(tiny(flash=flash)).to(device).eval()
+    idx = ids(model, B=2, T=12).to(device)
     full = model.output(model.hidden_states(idx))  # (B, 12, V)
     caches = [KVCache(2, 12) for _ in model.layers]
     steps = [model(idx[:, :5], caches=caches)[0]]
     for t in range(5, 12):
         steps.append(model(idx[:, t : t + 1], caches=caches, start_pos=t)[0])
-    assert torch.allclose(torch.cat(steps, dim=1), full[:, 4:], atol=1e-5)
+    assert torch.allclose(torch.cat(steps, dim=1), full[:, 4:], atol=bound(1e-5, device))
 
 
 @pytest.mark.parametrize("flash, tile", TILES)
-def test_a_cache_continued_by_several_tokens_at_once_gives_the_logits_of_a_full_forward(flash, tile, monkeypatch):
+def test_a_cache_continued_by_several_tokens_at_once_gives_the_logits_of_a_full_forward(flash, tile, device,
+                                                                                       monkeypatch):
     # what a row that stopped (at a tool call) and goes on with more text needs: chunks fed at positions 5, 9, 16
     monkeypatch.setattr(model_py, "ATTENTION_TILE", tile)
-    model = sharpen(tiny(flash=flash)).eval()
-    idx = ids(model, B=2, T=20)
+    model = sharpen(tiny(flash=flash)).to(device).eval()
+    idx = ids(model, B=2, T=20).to(device)
     full = model.output(model.hidden_states(idx))
     caches = [KVCache(2, 20) for _ in model.layers]
     for start, end in ((0, 5), (5, 9), (9, 16), (16, 20)):
         h = model.hidden_states(idx[:, start:end], caches, start_pos=start)
-        assert (model.output(h) - full[:, start:end]).abs().max() <= 1e-5, (start, end)
+        assert (model.output(h) - full[:, start:end]).abs().max() <= bound(1e-5, device), (start, end)
 
 
 @pytest.mark.parametrize("flash, tile", TILES)
-def test_rows_decoding_at_their_own_positions_give_the_logits_of_their_own_full_forward(flash, tile, monkeypatch):
+def test_rows_decoding_at_their_own_positions_give_the_logits_of_their_own_full_forward(flash, tile, device,
+                                                                                       monkeypatch):
     # a server's batch: prompts of 3, 9 and 6 tokens, each prefilled alone, then decoded together one token per row
     # per step, each row at its own position, in a cache with a spare row
     monkeypatch.setattr(model_py, "ATTENTION_TILE", tile)
-    model = sharpen(tiny(flash=flash)).eval()
+    model = sharpen(tiny(flash=flash)).to(device).eval()
     lengths, steps = [3, 9, 6], 8
-    rows = [ids(model, B=1, T=n + steps + 1, seed=n)[0, : n + steps] for n in lengths]
+    rows = [ids(model, B=1, T=n + steps + 1, seed=n)[0, : n + steps].to(device) for n in lengths]
     caches = [KVCache(4, 40) for _ in model.layers]
     for r, (n, row) in enumerate(zip(lengths, rows)):
         own = [KVCache(1, n) for _ in model.layers]
         model(row[None, :n], caches=own)
         for cache, prefilled in zip(caches, own):
             cache.copy_row(r, prefilled, 0, n)
-    positions = torch.tensor(lengths)
+    positions = torch.tensor(lengths, device=device)
     for s in range(steps):
         tokens = torch.stack([row[n + s] for n, row in zip(lengths, rows)])[:, None]  # (3, 1)
         logits, _ = model(tokens, caches=caches, start_pos=positions + s)
         for r, (n, row) in enumerate(zip(lengths, rows)):
             full = model.output(model.hidden_states(row[None, : n + s + 1]))[0, -1]
-            assert (logits[r, 0] - full).abs().max() <= 1e-5, (r, s)
+            assert (logits[r, 0] - full).abs().max() <= bound(1e-5, device), (r, s)
 
 
 # --- rows in the engine ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flash, tile", TILES)
-def test_greedy_generation_with_kv_cache_equals_recomputation(flash, tile, monkeypatch):
+def test_greedy_generation_with_kv_cache_equals_recomputation(flash, tile, device, monkeypatch):
     monkeypatch.setattr(model_py, "ATTENTION_TILE", tile)
-    model = sharpen(tiny(flash=flash)).eval()
+    model = sharpen(tiny(flash=flash)).to(device).eval()
     prompt = ids(model, B=3, T=6)
     cached = run(model, prompt, 30, use_cache=True)
     uncached = run(model, prompt, 30, use_cache=False)
@@ -106,12 +108,12 @@ def test_greedy_generation_with_kv_cache_equals_recomputation(flash, tile, monke
     assert cached == uncached
 
 
-def test_sampling_with_kv_cache_equals_recomputation_under_the_same_seed():
-    model = tiny().eval()
+def test_sampling_with_kv_cache_equals_recomputation_under_the_same_seed(device):
+    model = tiny().to(device).eval()
     prompt = ids(model, B=2, T=5)
     outs = []
-    for use_cache in (True, False):
-        sampling = Sampling(0.8, top_k=20, top_p=0.9, generator=torch.Generator().manual_seed(123))
+    for use_cache in (True, False):  # the generator on the model's device, as the server makes it
+        sampling = Sampling(0.8, top_k=20, top_p=0.9, generator=torch.Generator(device).manual_seed(123))
         outs.append(run(model, prompt, 20, sampling=sampling, use_cache=use_cache))
     assert outs[0] == outs[1]
 
@@ -172,10 +174,10 @@ def test_the_repetition_penalty_of_rows_of_different_lengths_is_each_row_s_own()
 
 
 @pytest.mark.parametrize("flash", [True, False])
-def test_rows_joining_and_leaving_the_batch_get_what_they_get_alone(flash, monkeypatch):
+def test_rows_joining_and_leaving_the_batch_get_what_they_get_alone(flash, device, monkeypatch):
     # 7 prompts, room for 3 rows: rows start and end at different steps, and later prompts wait for a row
     monkeypatch.setattr(model_py, "ATTENTION_TILE", 4)
-    model = sharpen(tiny(flash=flash)).eval()
+    model = sharpen(tiny(flash=flash)).to(device).eval()
     prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (3, 9, 5, 12, 4, 7, 6)]
     lengths = [20, 6, 14, 3, 25, 9, 11]
@@ -192,24 +194,24 @@ def test_rows_joining_and_leaving_the_batch_get_what_they_get_alone(flash, monke
         assert row.tokens == alone(model, prompt, n) and row.finish_reason == "length"
 
 
-def test_a_prompt_prefilled_once_for_a_group_of_rows():
+def test_a_prompt_prefilled_once_for_a_group_of_rows(device):
     # a group of completions of one prompt (RL's rollouts): greedy rows all give the answer alone; sampled rows
     # draw from one generator, differ from each other, and repeat under the same seed
-    model = sharpen(tiny()).eval()
+    model = sharpen(tiny()).to(device).eval()
     prompt = ids(model, B=1, T=6)[0].tolist()
     assert run(model, [prompt] * 4, 12) == [alone(model, prompt, 12)] * 4
-    sampled = [run(model, [prompt] * 4, 12, sampling=Sampling(1.0, generator=torch.Generator().manual_seed(7)))
+    sampled = [run(model, [prompt] * 4, 12, sampling=Sampling(1.0, generator=torch.Generator(device).manual_seed(7)))
                for _ in range(2)]
     assert sampled[0] == sampled[1] and len({tuple(t) for t in sampled[0]}) > 1
 
 
-def test_a_decode_step_waits_for_the_device_once(monkeypatch):
+def test_a_decode_step_waits_for_the_device_once(device, monkeypatch):
     """Rows that each sample their own way (a server's requests) still make one host sync per step: every row's
     token is read back at once."""
-    model = tiny().eval()
+    model = tiny().to(device).eval()
     engine = Engine(model, max_batch=3)
-    for n, s in zip((3, 5, 4), (Sampling(0.0), Sampling(0.9, generator=torch.Generator().manual_seed(1)),
-                                Sampling(1.2, top_k=5, generator=torch.Generator().manual_seed(2)))):
+    for n, s in zip((3, 5, 4), (Sampling(0.0), Sampling(0.9, generator=torch.Generator(device).manual_seed(1)),
+                                Sampling(1.2, top_k=5, generator=torch.Generator(device).manual_seed(2)))):
         engine.add([Row(list(range(1, n + 1)), 8, s)])
     reads = []
     for name in ("tolist", "item"):

@@ -13,7 +13,7 @@ import sample
 from chat import encode_chat
 from checkpoint import atomic_save, load_checkpoint, model_from_checkpoint
 from config import PretrainConfig, load_config
-from conftest import corpus_lines, greedy_alone, random_strings
+from conftest import bound, corpus_lines, greedy_alone, random_strings
 from errors import CheckpointError, ConfigError, cli
 from model import ModelConfig, Transformer
 from tokenizer import DEFAULT_DIR, NANOMIND_DIR, load_tokenizer
@@ -79,19 +79,19 @@ def demo_config() -> dict:
 
 
 @pytest.mark.parametrize("shape", [*TINY, "demo"])
-def test_transformers_computes_what_nanomind_computes_and_import_reads_it_back(shape, tmp_path):
+def test_transformers_computes_what_nanomind_computes_and_import_reads_it_back(shape, tmp_path, device):
     model_config = demo_config() if shape == "demo" else TINY[shape]
     ckpt = random_checkpoint(tmp_path / "ckpt.pt", model_config)
     convert.main(["export", str(ckpt), str(tmp_path / "hf")])
-    ours, state = model_from_checkpoint(str(ckpt))
+    ours, state = model_from_checkpoint(str(ckpt), device)
     ours.eval()
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").to(device).eval()  # both on the device
     assert type(theirs).__name__ == ("Qwen3ForCausalLM" if ours.config.qk_norm else "LlamaForCausalLM")
     assert theirs.dtype == torch.float32
     x = torch.randint(0, ours.config.vocab_size, (2, ours.config.max_seq_len // 2),
-                      generator=torch.Generator().manual_seed(1))
+                      generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
-        assert (theirs(x).logits - nanomind_logits(ours, x)).abs().max().item() <= 1e-4
+        assert (theirs(x).logits - nanomind_logits(ours, x)).abs().max().item() <= bound(1e-4, device)
     prompt = x[:1, :10]
     assert prompt[0].tolist() + greedy_alone(ours, prompt[0].tolist(), 20) == greedy(theirs, prompt, 20)
     # and back: the same weights, bit for bit, and the same architecture

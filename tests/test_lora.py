@@ -39,24 +39,24 @@ def tokens(n=2, T=24):
     return torch.randint(6400, (n, T), generator=torch.Generator().manual_seed(0))
 
 
-def test_a_fresh_adapter_is_exactly_the_base_model():
-    base = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32))
+def test_a_fresh_adapter_is_exactly_the_base_model(device):
+    base = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)).to(device)
     adapted = add_lora(copy.deepcopy(base), rank=4, alpha=8.0, dropout=0.0)
-    X = tokens()
+    X = tokens().to(device)
     assert len(lora_layers(adapted)) == 2 * 7
     assert torch.equal(adapted(X, X)[0], base(X, X)[0])  # B = 0: not close, equal
     trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
     assert trainable == set(adapter_state(adapted)) and all(n.endswith((".lora_a", ".lora_b")) for n in trainable)
 
 
-def test_training_steps_change_the_adapters_and_nothing_else(tiny_pretrained):
+def test_training_steps_change_the_adapters_and_nothing_else(tiny_pretrained, device):
     # weight decay on: a frozen weight that reached the optimizer would move even without a gradient
     (cfg,) = load_config([f"--init_from={tiny_pretrained}", *LORA, "--weight_decay=0.1", "--dropout=0.1"],
                          SFTConfig)
-    model = finetune_model(cfg, setup("cpu", "float32", 0))
+    model = finetune_model(cfg, setup(device, "float32", 0))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = configure_optimizer(model, 0.1, 1e-2, (0.9, 0.95), "cpu")
-    X = tokens()
+    optimizer = configure_optimizer(model, 0.1, 1e-2, (0.9, 0.95), device)  # fused AdamW on every device
+    X = tokens().to(device)
     for _ in range(2):  # step 1 moves B only (A's gradient is B^T ... = 0); step 2 moves A too
         model(X, X)[1].backward()
         optimizer.step()

@@ -8,7 +8,7 @@ import torch
 
 import model as model_py
 from config import load_config
-from conftest import tiny
+from conftest import bound, tiny
 from model import ModelConfig, Transformer, apply_rope, reference_attention
 from optim import configure_optimizer
 
@@ -49,14 +49,14 @@ def test_bad_head_configs_are_rejected(bad, message):
         ModelConfig(**{**dict(dim=64, n_heads=4, n_kv_heads=2), **bad})
 
 
-def attention_inputs(start_pos):
+def attention_inputs(start_pos, device="cpu", dtype=torch.float32):
     """q (3, 4, T, 16), k and v (3, 2, 20, 16), and where the queries start: 0 or 7 (the last T keys' positions),
-    or one query per row at positions 4, 19 and 11."""
+    or one query per row at positions 4, 19 and 11. Drawn on the CPU (the same numbers everywhere), then moved."""
     g = torch.Generator().manual_seed(0)
     B, H, K, D, S = 3, 4, 2, 16, 20
-    T, start = (1, torch.tensor([4, 19, 11])) if start_pos == "per row" else (S - start_pos, start_pos)
+    T, start = (1, torch.tensor([4, 19, 11], device=device)) if start_pos == "per row" else (S - start_pos, start_pos)
     q, k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, K, S, D, generator=g), torch.randn(B, K, S, D, generator=g)
-    return q, k, v, start
+    return *(x.to(device, dtype) for x in (q, k, v)), start
 
 
 # the math path in one tile (T <= 64 here) and in tiles of 8 and 4 rows, the last one shorter (T = 17, 12, 9)
@@ -65,39 +65,41 @@ TILES = [(True, 64), (False, 64), (False, 8), (False, 4)]
 
 @pytest.mark.parametrize("flash, tile", TILES)
 @pytest.mark.parametrize("start_pos", [0, 7, "per row"])
-def test_both_attention_paths_equal_the_plain_reference(flash, tile, start_pos, monkeypatch):
+def test_both_attention_paths_equal_the_plain_reference(flash, tile, start_pos, device, monkeypatch):
     """A prefill (queries from position 0), a chunk continuing a cache (queries from 7) and one query per row at
-    its own position (the keys after it hold values it must not see)."""
+    its own position (the keys after it hold values it must not see). float32: on CUDA SDPA repeats the kv heads
+    (tests/test_devices.py: its flash kernel with grouped heads, in bfloat16 and float16)."""
     monkeypatch.setattr(model_py, "ATTENTION_TILE", tile)
     attention = tiny(flash=flash).layers[0].attention
-    q, k, v, start = attention_inputs(start_pos)
+    q, k, v, start = attention_inputs(start_pos, device)
     attend = attention.sdpa_attention if flash else attention.math_attention
-    assert (attend(q, k, v, start, 0.0) - reference_attention(q, k, v, start)).abs().max() <= 1e-5
+    assert (attend(q, k, v, start, 0.0) - reference_attention(q, k, v, start)).abs().max() <= bound(1e-5, device)
 
 
 @pytest.mark.parametrize("start_pos", [0, 7, "per row"])
-def test_sdpa_with_each_kv_head_repeated_equals_the_plain_reference(start_pos, monkeypatch):
+def test_sdpa_with_each_kv_head_repeated_equals_the_plain_reference(start_pos, device, monkeypatch):
     """The route CUDA takes for a mask or float32, where its fused kernels cannot read grouped kv heads."""
     monkeypatch.setattr(model_py, "kernel_takes_groups", lambda q, mask: False)
     attention = tiny(flash=True).layers[0].attention
-    q, k, v, start = attention_inputs(start_pos)
-    assert (attention.sdpa_attention(q, k, v, start, 0.0) - reference_attention(q, k, v, start)).abs().max() <= 1e-5
+    q, k, v, start = attention_inputs(start_pos, device)
+    assert ((attention.sdpa_attention(q, k, v, start, 0.0) - reference_attention(q, k, v, start)).abs().max()
+            <= bound(1e-5, device))
 
 
 @pytest.mark.parametrize("tile", [64, 8])
-def test_flash_and_math_attention_agree_in_logits_and_gradients(tile, monkeypatch):
+def test_flash_and_math_attention_agree_in_logits_and_gradients(tile, device, monkeypatch):
     monkeypatch.setattr(model_py, "ATTENTION_TILE", tile)
-    flash = tiny(flash=True)
+    flash = tiny(flash=True).to(device)
     math_ = copy.deepcopy(flash)
     math_.config.flash = False  # every layer's attention reads the model's config
-    data = batch(flash)
+    data = batch(flash).to(device)
     logits_f, loss_f = flash(data[:, :-1], data[:, 1:])
     logits_m, loss_m = math_(data[:, :-1], data[:, 1:])
-    assert (logits_f - logits_m).abs().max() <= 1e-5
+    assert (logits_f - logits_m).abs().max() <= bound(1e-5, device)
     loss_f.backward()
     loss_m.backward()
     for (name, pf), pm in zip(flash.named_parameters(), math_.parameters()):
-        assert torch.allclose(pf.grad, pm.grad, atol=1e-6, rtol=1e-4), name
+        assert torch.allclose(pf.grad, pm.grad, atol=bound(1e-6, device), rtol=1e-4), name
 
 
 def test_causality_a_changed_token_changes_no_earlier_logit():
@@ -179,26 +181,26 @@ def test_the_per_token_cross_entropy_is_the_negated_log_prob_of_each_target():
     assert torch.allclose(-model(x, y, reduction="none")[1], expected, atol=1e-5)
 
 
-def test_grad_checkpoint_gives_the_same_loss_and_gradients():
-    plain = tiny(dropout=0.1)
+def test_grad_checkpoint_gives_the_same_loss_and_gradients(device):
+    plain = tiny(dropout=0.1).to(device)
     ckpt = copy.deepcopy(plain)
     ckpt.config.grad_checkpoint = True
-    data = batch(plain)
+    data = batch(plain).to(device)
     losses = []
     for model in (plain, ckpt):
-        torch.manual_seed(7)  # same dropout masks; checkpoint replays the RNG state in the recompute
+        torch.manual_seed(7)  # same dropout masks (the device's generator too); checkpoint replays its RNG state
         _, loss = model(data[:, :-1], data[:, 1:])
         loss.backward()
         losses.append(loss)
     assert torch.equal(losses[0], losses[1])
     for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
-        assert torch.allclose(a.grad, b.grad, atol=1e-7), name
+        assert torch.allclose(a.grad, b.grad, atol=bound(1e-7, device)), name
 
 
-def test_a_two_layer_model_overfits_one_batch():
-    model = tiny()
-    data = batch(model, B=4, T=32)
-    opt = configure_optimizer(model, weight_decay=0.0, lr=3e-3, betas=(0.9, 0.95), device_type="cpu")
+def test_a_two_layer_model_overfits_one_batch(device):
+    model = tiny().to(device)  # on CUDA with its fused AdamW
+    data = batch(model, B=4, T=32).to(device)
+    opt = configure_optimizer(model, weight_decay=0.0, lr=3e-3, betas=(0.9, 0.95), device_type=device)
     first = None
     for _ in range(300):
         _, loss = model(data[:, :-1], data[:, 1:])

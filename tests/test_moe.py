@@ -12,8 +12,8 @@ import train_grpo
 import train_reward
 import train_sft
 from checkpoint import load_checkpoint, load_model, lora_model, model_from_checkpoint
-from conftest import (REPO, TINY_CONTEXT, TINY_RUN, assert_resumes_exactly, lora_sft, pretrain,
-                      pretrain_ddp_matches_one_process, read_metrics, run_script, tiny)
+from conftest import (REPO, TINY_CONTEXT, TINY_RUN, assert_resumes_exactly, bound, lora_sft, pretrain,
+                      pretrain_ddp_matches_one_process, read_metrics, repeatable, run_script, tiny)
 from engine import Engine, KVCache, Row
 from errors import ConfigError
 from lora import adapter_state, lora_layers
@@ -48,16 +48,16 @@ def plain_loop(layer: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n_experts, k, norm", [(4, 1, True), (4, 2, True), (8, 2, False), (3, 3, True)])
-def test_the_dispatch_equals_a_plain_loop_over_experts_forward_and_backward(n_experts, k, norm):
-    layer = moe(n_experts, k, norm)
-    x = torch.randn(3, 10, 32, requires_grad=True)
+def test_the_dispatch_equals_a_plain_loop_over_experts_forward_and_backward(n_experts, k, norm, device):
+    layer = moe(n_experts, k, norm).to(device)
+    x = torch.randn(3, 10, 32).to(device).requires_grad_()
     y = layer(x)
     grads = torch.autograd.grad(y.square().sum(), [x, *layer.parameters()])
     y_ref = plain_loop(layer, x)
     grads_ref = torch.autograd.grad(y_ref.square().sum(), [x, *layer.parameters()])
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
-    for g, g_ref in zip(grads, grads_ref):
-        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=bound(1e-6, device))
+    for g, g_ref in zip(grads, grads_ref):  # index_add_ on a GPU adds in any order
+        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=bound(1e-6, device))
 
 
 def test_each_expert_runs_on_exactly_the_tokens_that_chose_it():
@@ -213,9 +213,10 @@ def test_every_stage_adds_the_aux_loss_and_logs_it(tiny_moe, demo_dir, tmp_path)
         assert len(rows) == 2 and all(r["aux_loss"] >= 5e-4 * 0.99 for r in rows), (script.__name__, rows)
 
 
-def test_an_moe_run_resumes_exactly(demo_dir, tmp_path):
-    def run(out_dir, *flags):
-        pretrain(demo_dir, out_dir, *EXPERTS, "--max_steps=6", "--save_interval=3", "--dropout=0.1", *flags)
+def test_an_moe_run_resumes_exactly(demo_dir, tmp_path, device):
+    def run(out_dir, *flags):  # one expert per token: a GPU's index_add_ adds one value to each row, exactly
+        pretrain(demo_dir, out_dir, *repeatable(device, *EXPERTS, "--max_steps=6", "--save_interval=3", "--dropout=0.1",
+                                                *flags))
 
     assert_resumes_exactly(run, tmp_path / "full", tmp_path / "resumed", saved=3, last=6)
 
@@ -236,17 +237,17 @@ def test_lora_adapts_every_expert_and_leaves_the_router_frozen(tiny_moe, demo_di
         assert torch.equal(merged.layers[i].feed_forward.gate.weight, base.layers[i].feed_forward.gate.weight)
 
 
-def test_an_moe_model_with_yarn_decodes_with_the_kv_cache_as_in_a_full_forward_and_batched_as_alone():
+def test_an_moe_model_with_yarn_decodes_with_the_kv_cache_as_in_a_full_forward_and_batched_as_alone(device):
     # positions past rope_original_max_len (8): the scaled tables are the ones the cache's rows are rotated by
     model = sharpen(tiny(n_experts=4, experts_per_token=2, rope_scaling="yarn", rope_factor=4.0,
-                         rope_original_max_len=8)).eval()
-    idx = ids(model, B=2, T=24)
+                         rope_original_max_len=8)).to(device).eval()
+    idx = ids(model, B=2, T=24).to(device)
     full = model.output(model.hidden_states(idx))
     caches = [KVCache(2, 24) for _ in model.layers]
     steps = [model(idx[:, :5], caches=caches)[0]]
     for t in range(5, 24):
         steps.append(model(idx[:, t : t + 1], caches=caches, start_pos=t)[0])
-    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 4:], rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 4:], rtol=0, atol=bound(1e-5, device))
     # rows of a batch are routed token by token: each gets what it gets alone
     prompts = [ids(model, B=1, T=n, seed=n)[0].tolist() for n in (3, 9, 5)]
     engine, rows = Engine(model, max_batch=3), [Row(p, 12) for p in prompts]

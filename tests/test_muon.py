@@ -9,7 +9,7 @@ import torch
 
 import train_pretrain
 from checkpoint import load_checkpoint
-from conftest import (TINY_MODEL, TINY_RUN, assert_resumes_exactly, final_weights, lora_sft, pretrain,
+from conftest import (TINY_MODEL, TINY_RUN, assert_resumes_exactly, bound, final_weights, lora_sft, on_device, pretrain,
                       pretrain_ddp_matches_one_process, pretrain_short, tiny, train_losses)
 from errors import CheckpointError, ConfigError
 from lora import add_lora
@@ -55,23 +55,23 @@ def quintic_on_singular_values(G: np.ndarray, steps: int = 5) -> np.ndarray:
     return u @ np.diag(x) @ vt
 
 
-def test_two_muon_steps_equal_a_reference_written_from_the_formulas():
+def test_two_muon_steps_equal_a_reference_written_from_the_formulas(device):
     """Nesterov momentum, the quintic on the singular values, lr x sqrt(max(1, rows / cols)): a tall matrix."""
     rng = np.random.default_rng(0)
     w0 = rng.standard_normal((12, 5)).astype(np.float32)
     grads = [rng.standard_normal((12, 5)).astype(np.float32) for _ in range(2)]
     lr, momentum = 0.05, 0.9
-    p = torch.nn.Parameter(torch.tensor(w0))
+    p = torch.nn.Parameter(torch.tensor(w0, device=device))
     opt = MuonAdamW([{"params": [p], "kind": "muon", "momentum": momentum}], lr=lr, betas=(0.9, 0.95))
     w, buf = w0.astype(np.float64), np.zeros_like(w0, dtype=np.float64)
     for g in grads:
-        p.grad = torch.tensor(g)
+        p.grad = torch.tensor(g, device=device)
         opt.step()
         buf = momentum * buf + (1 - momentum) * g
         nesterov = (1 - momentum) * g + momentum * buf
         w = w - lr * math.sqrt(12 / 5) * quintic_on_singular_values(nesterov)
-        np.testing.assert_allclose(p.detach().numpy(), w, atol=2e-5)
-        np.testing.assert_allclose(opt.state[p]["momentum_buffer"].numpy(), buf, atol=1e-6)
+        np.testing.assert_allclose(p.detach().cpu().numpy(), w, atol=bound(2e-5, device))
+        np.testing.assert_allclose(opt.state[p]["momentum_buffer"].cpu().numpy(), buf, atol=bound(1e-6, device))
 
 
 def test_the_adamw_half_equals_torchs_adamw():
@@ -164,8 +164,8 @@ def test_bad_optimizer_keys_are_one_line_errors(demo_dir, tmp_path, flags, messa
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_muon_trains_under_autocast_and_the_grad_scaler(demo_dir, tmp_path, dtype):
-    pretrain(demo_dir, tmp_path, *MUON, f"--dtype={dtype}", "--max_steps=30", "--eval_interval=30")
+def test_muon_trains_under_autocast_and_the_grad_scaler(demo_dir, tmp_path, dtype, device):
+    pretrain(demo_dir, tmp_path, *on_device(device, *MUON, f"--dtype={dtype}", "--max_steps=30", "--eval_interval=30"))
     losses = train_losses(tmp_path)
     assert all(math.isfinite(v) for v in losses.values())
     assert np.mean([losses[s] for s in range(26, 31)]) < np.mean([losses[s] for s in range(1, 6)]) - 0.5

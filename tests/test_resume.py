@@ -16,7 +16,7 @@ import train_pretrain
 import train_sft
 from checkpoint import load_checkpoint
 from conftest import (REPO, TINY_MODEL, TINY_RUN, assert_resumes_exactly, final_weights, lora_sft, pretrain,
-                      pretrain_short, read_metrics, sft, train_losses)
+                      pretrain_short, read_metrics, repeatable, sft, train_losses)
 from errors import CheckpointError
 from metrics import measure_peak_flops
 
@@ -145,8 +145,8 @@ def test_a_resume_before_and_at_an_epoch_end_replaces_the_later_rows_exactly(sta
 
 # --- lost after its last checkpoint: pretraining, SFT, LoRA SFT, float16 --------------------------
 
-def test_resume_continues_exactly_as_an_uninterrupted_run(demo_dir, tmp_path):
-    flags = ["--max_steps=12", "--save_interval=5", "--keep_checkpoints=10", "--eval_interval=4"]
+def test_resume_continues_exactly_as_an_uninterrupted_run(demo_dir, tmp_path, device):
+    flags = repeatable(device, "--max_steps=12", "--save_interval=5", "--keep_checkpoints=10", "--eval_interval=4")
     assert_resumes_exactly(lambda out, *more: pretrain(demo_dir, out, *flags, *more), tmp_path / "full",
                            tmp_path / "resumed", saved=5, last=12)
 
@@ -167,10 +167,10 @@ def test_lora_sft_resumes_exactly(tiny_pretrained, demo_dir, tmp_path):
                         *TINY_RUN, "--batch_size=8", "--max_seq_len=64", *flags, "--resume=True"])
 
 
-def test_float16_grad_scaler_state_survives_a_resume(demo_dir, tmp_path):
+def test_float16_grad_scaler_state_survives_a_resume(demo_dir, tmp_path, device):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    flags = ["--dtype=float16", "--lr=3e-3", "--max_steps=12", "--save_interval=5", "--keep_checkpoints=10",
-             "--eval_interval=12"]
+    flags = repeatable(device, "--dtype=float16", "--lr=3e-3", "--max_steps=12", "--save_interval=5",
+                       "--keep_checkpoints=10", "--eval_interval=12")
     pretrain_short(demo_dir, full, *flags)
     os.makedirs(resumed)
     shutil.copy(full / "step_0000005.pt", resumed)  # as if the run had died right after step 5

@@ -93,3 +93,16 @@ def test_fine_tuning_does_not_compile_by_default():
     from config import DPOConfig, PretrainConfig, SFTConfig
 
     assert PretrainConfig().compile is None and SFTConfig().compile is False and DPOConfig().compile is False
+
+
+def test_a_device_opens_as_a_script_opens_it_and_autocasts_in_its_dtype(device):
+    """On each device this machine has: dtype=auto is pick_dtype's choice, autocast runs a matmul in it, and on
+    CUDA float32 matmuls may use TF32 afterwards (the device fixture restores the precision)."""
+    run = runtime.open_device(device, "auto")
+    assert run.device.type == device and run.dtype == pick_dtype("auto", device)
+    x = torch.randn(4, 8, device=run.device)
+    with run.autocast():
+        y = x @ x.T
+    assert y.dtype == getattr(torch, run.dtype)
+    if device == "cuda":
+        assert torch.get_float32_matmul_precision() == "high"
