@@ -174,7 +174,7 @@ def fresh_process_step(*args) -> int | None:
 def measured_step(model_cfg: ModelConfig, batch_size: int, run, optimizer_name: str, seed: int) -> int | None:
     """Two training steps, the second measured (the optimizer's state exists): the model, the optimizer, autocast
     and the GradScaler as training has them. The peak since reset_peak; None: out of memory."""
-    model = optimizer = X = None
+    model = optimizer = X = loss = None
     try:
         torch.manual_seed(seed)
         model = Transformer(model_cfg).to(run.device)
@@ -198,7 +198,7 @@ def measured_step(model_cfg: ModelConfig, batch_size: int, run, optimizer_name: 
             raise
         return None
     finally:  # what this size held is freed before the next one is tried
-        del model, optimizer, X
+        del model, optimizer, X, loss  # the loss holds the graph, and with it the activations
         gc.collect()
         if run.device.type == "cuda":
             torch.cuda.empty_cache()
