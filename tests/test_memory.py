@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import memory
-import model as model_py
 from checkpoint import load_checkpoint
-from conftest import REPO, TINY_MODEL, TINY_RUN, pretrain_short
+from conftest import REPO, TINY_MODEL, TINY_RUN
 from errors import ConfigError
 
 # a model whose step memory is mostly activations (the head's logits over 6,400 ids at 256 positions), so that the
@@ -85,53 +84,50 @@ def test_the_global_batch_is_kept_with_the_largest_micro_batch_that_fits(fits, g
 
 # --- a leak ---------------------------------------------------------------------------------------
 
-def leaking(monkeypatch):
-    """Every forward's outputs kept in a list: each step's graph (logits and all) stays alive, as a loss summed
-    without .detach() keeps it."""
-    kept, forward = [], model_py.Transformer.forward
-    monkeypatch.setattr(model_py.Transformer, "forward", lambda self, *a, **k: kept.append(forward(self, *a, **k))
-                        or kept[-1])
-    return kept
+# train_pretrain.py with every forward's outputs kept in a list when LEAK: each step's graph (logits and all) stays
+# alive, as a loss summed without .detach() keeps it. In a process of its own, as a run is: a long-lived process
+# (pytest's) has freed heap resident from earlier work, which a leak fills before the resident memory grows
+CHILD = """
+import os, resource, sys
+import torch
+import model, train_pretrain
+from errors import cli
+from memory import proc_status
+kept, forward = [], model.Transformer.forward
+if os.environ["LEAK"] == "1":
+    model.Transformer.forward = lambda self, *a, **k: kept.append(forward(self, *a, **k)) or kept[-1]
+torch.ones(256, 256) @ torch.ones(256, 256)  # the thread pool exists before the limit
+if os.environ.get("LIMIT_MB"):
+    limit = proc_status("VmSize") + int(os.environ["LIMIT_MB"]) * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+sys.argv = ["train_pretrain.py", *sys.argv[1:]]
+cli(train_pretrain.main)
+"""
+
+
+def run_child(demo_dir, out_dir, *flags, **env):
+    return subprocess.run([sys.executable, "-c", CHILD, f"--data_path={demo_dir}/pretrain.jsonl",
+                           f"--out_dir={out_dir}", *TINY_MODEL, *TINY_RUN, "--max_seq_len=16", "--batch_size=4",
+                           *flags], cwd=REPO, capture_output=True, text=True, timeout=900, env={**os.environ, **env})
 
 
 @pytest.mark.parametrize("leak", [True, False])
-def test_memory_that_grows_at_every_log_row_is_warned_about_once_and_a_normal_run_is_not(leak, demo_dir, tmp_path,
-                                                                                         monkeypatch, capsys):
-    kept = leaking(monkeypatch) if leak else []
-    pretrain_short(demo_dir, tmp_path, "--max_steps=40", "--eval_interval=1000")
-    out = capsys.readouterr().out
-    warnings = [line for line in out.splitlines() if line.startswith("warning: memory in use grew")]
-    assert len(warnings) == (1 if leak else 0), out[-3000:]
-    assert (len(kept) >= 40) == leak  # the leak took effect
+def test_memory_that_grows_at_every_log_row_is_warned_about_once_and_a_normal_run_is_not(leak, demo_dir, tmp_path):
+    ran = run_child(demo_dir, tmp_path, "--max_steps=60", "--eval_interval=1000", LEAK=str(int(leak)))
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    warnings = [line for line in ran.stdout.splitlines() if line.startswith("warning: memory in use grew")]
+    assert len(warnings) == (1 if leak else 0), ran.stdout[-3000:]
     if leak:
         assert "MiB per 100 steps" in warnings[0] and ".detach()" in warnings[0]
 
 
 # --- out of memory -----------------------------------------------------------------------------------
 
-CHILD = """
-import resource, sys
-import torch
-import model, train_pretrain
-from errors import cli
-from memory import proc_status
-kept, forward = [], model.Transformer.forward
-model.Transformer.forward = lambda self, *a, **k: kept.append(forward(self, *a, **k)) or kept[-1]
-torch.ones(256, 256) @ torch.ones(256, 256)  # the thread pool exists before the limit
-limit = proc_status("VmSize") + 300 * 2**20
-resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-sys.argv = ["train_pretrain.py", *sys.argv[1:]]
-cli(train_pretrain.main)
-"""
-
-
 def test_running_out_of_memory_is_one_error_line_naming_step_batch_and_memory_and_checkpoints_survive(demo_dir,
                                                                                                      tmp_path):
     """A run that leaks under an address-space limit runs out of memory for real, after it saved checkpoints."""
-    ran = subprocess.run([sys.executable, "-c", CHILD, f"--data_path={demo_dir}/pretrain.jsonl",
-                          f"--out_dir={tmp_path}", *TINY_MODEL, *TINY_RUN, "--max_seq_len=16", "--batch_size=4",
-                          "--max_steps=100000", "--save_interval=5", "--eval_interval=100000"],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    ran = run_child(demo_dir, tmp_path, "--max_steps=100000", "--save_interval=5", "--eval_interval=100000",
+                    LEAK="1", LIMIT_MB="300")
     assert ran.returncode == 2, ran.stderr[-3000:]
     *_, line = ran.stderr.strip().splitlines()  # after the data's summary line
     assert sum(x.startswith("error:") for x in ran.stderr.splitlines()) == 1 and "Traceback" not in ran.stderr
