@@ -139,8 +139,9 @@ class SFTConfig(FinetuneConfig):
     # --- data
     data_path: str = "data/sft_mini_512.jsonl"  # JSONL {"conversations": [{"role", "content"}, ...]}; or a glob / comma list
     max_seq_len: int = 512  # longer conversations lose their earliest turns
+    pack: bool = False  # whole conversations packed into rows of max_seq_len, attention kept inside each
     # --- training length
-    batch_size: int = 32  # per rank; batches pad to their longest conversation
+    batch_size: int = 32  # per rank: conversations, padded to the batch's longest; pack: rows of max_seq_len
     epochs: int = 10  # an upper bound: early stopping usually ends it sooner
     # --- optimizer: AdamW, weight decay on matrices only; or Muon for the blocks' matrices, AdamW for the rest
     lr: float = 2e-5
@@ -276,9 +277,15 @@ class DistillConfig(TrainConfig):
     data_path: str = "data/pretrain_hq.jsonl"  # pretraining documents or SFT conversations (data_kind); glob / list
     data_kind: str = "pretrain"  # pretrain: loss on every token | sft: loss on the assistant's tokens only
     skip_bad: bool = False  # sft: skip (and count) malformed records instead of stopping at the first
+    pack: bool = False  # sft: whole conversations packed into rows of max_seq_len (batch_size counts rows)
     # --- distillation: loss = alpha * T^2 * KL(teacher || student at temperature T) + (1 - alpha) * cross-entropy
     alpha: float = 0.5  # weight of the teacher's soft targets; 0: plain cross-entropy training
     temperature: float = 2.0  # T: above 1 the teacher's distribution spreads, showing its ranking of unlikely tokens
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.pack and self.data_kind != "sft":
+            raise ConfigError("config key 'pack' packs conversations (data_kind=sft); pretraining windows are full")
 
 
 # -----------------------------------------------------------------------------

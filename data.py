@@ -1,16 +1,18 @@
 """
-The batches the training scripts consume: (X, Y, loss_mask, item indices) on the device.
+The batches the training scripts consume: Batch(X, Y, loss_mask, items, positions) on the device.
 
   PretrainData   documents packed end to end, cut into windows of max_seq_len + 1 tokens
   SFTData        one conversation per item, loss on what the assistant writes
+  PackedSFTData  whole conversations packed into rows of max_seq_len (best_fit), attention kept inside each
   DPOData        one preference pair per item: prompt + chosen, prompt + rejected
-  Loader         batches in a seeded order, split over ranks, resumable; padded to the batch's longest row
+  Loader         Batches in a seeded order, split over ranks, resumable; padded to the batch's longest row
   pretrain_loaders, sft_loaders, dpo_loaders   a stage's training and validation loaders from its config
   Prompt, read_prompts, prompt_loaders         RL's prompts (train_grpo.py): item indices, in the same order
 """
 import bisect
 import dataclasses
 from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -74,6 +76,53 @@ class DPOData(SFTData):
                      for a in (chosen, rejected))
 
 
+class PackedSFTData:
+    """Item i -> one row of whole conversations, at most max_seq_len tokens in all (best_fit), each its own
+    (ids, loss_mask) piece: the loader shifts each piece on its own and restarts its positions, and the model keeps
+    attention inside it. Which conversations share a row depends on their lengths alone, so it is the same on every
+    rank and after a resume; the loader shuffles the rows."""
+
+    def __init__(self, records: Records, max_seq_len: int):
+        self.records, self.max_seq_len = records, max_seq_len
+        self.rows = best_fit(records.lengths() - 1, max_seq_len)  # a conversation of n ids feeds n - 1 positions
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return (Packed(self.records[j] for j in self.rows[i]),)
+
+
+class Packed(list):
+    """A row of several (ids, loss_mask) pieces, each a conversation of its own."""
+
+
+def best_fit(lengths, capacity: int) -> list[list[int]]:
+    """Best fit decreasing: items by length, longest first (ties: the earlier first), each into the bin with the
+    least room left that still takes it, or a new bin; bins of item indices in the order placed. Rooms are found
+    with a bit mask (bit r: some bin has room r), so a million items take seconds."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(lengths) and not 1 <= lengths.min() <= lengths.max() <= capacity:
+        raise DataError(f"an item of {lengths.min() if lengths.min() < 1 else lengths.max()} does not fit rows of "
+                        f"{capacity}")
+    by_room: list[list[int]] = [[] for _ in range(capacity + 1)]  # bins by the room they have left
+    rooms, bins = 0, []
+    for i in np.lexsort((np.arange(len(lengths)), -lengths)).tolist():
+        n = int(lengths[i])
+        if fits := rooms >> n:
+            room = n + (fits & -fits).bit_length() - 1  # the least room that takes n
+            b = by_room[room].pop()
+            if not by_room[room]:
+                rooms &= ~(1 << room)
+        else:
+            b, room = len(bins), capacity
+            bins.append([])
+        bins[b].append(i)
+        by_room[room - n].append(b)
+        rooms |= 1 << (room - n)
+    return bins
+
+
 def pad_rows(rows, pad_id: int):
     """Rows of ids -> X, Y (n, T) int64 and loss_mask (n, T) float32, padded to the longest row in the batch
     (T = its length - 1); padded positions have mask 0."""
@@ -86,6 +135,34 @@ def pad_rows(rows, pad_id: int):
         X[r, :n], Y[r, :n] = ids[:-1], ids[1:]
         M[r, :n] = 1.0 if mask is None else mask[1:]
     return torch.from_numpy(X), torch.from_numpy(Y), torch.from_numpy(M)
+
+
+def pack_rows(rows: list[Packed], pad_id: int, T: int):
+    """Packed rows -> X, Y (n, T) int64, loss_mask (n, T) float32 and positions (n, T) int64: each piece shifted on
+    its own (its last id is no input, its first no target), its positions 0, 1, ...; the tail after the last piece
+    is padding, mask 0, each pad at position 0 (a conversation of its own, for the model's attention)."""
+    X = np.full((len(rows), T), pad_id, dtype=np.int64)
+    Y = np.full((len(rows), T), pad_id, dtype=np.int64)
+    M = np.zeros((len(rows), T), dtype=np.float32)
+    P = np.zeros((len(rows), T), dtype=np.int64)
+    for r, pieces in enumerate(rows):
+        at = 0
+        for ids, mask in pieces:
+            n = len(ids) - 1
+            X[r, at : at + n], Y[r, at : at + n], P[r, at : at + n] = ids[:-1], ids[1:], np.arange(n)
+            M[r, at : at + n] = 1.0 if mask is None else mask[1:]
+            at += n
+    return torch.from_numpy(X), torch.from_numpy(Y), torch.from_numpy(M), torch.from_numpy(P)
+
+
+class Batch(NamedTuple):
+    """What a loader hands the loop; positions: each token's position in its own conversation (packed rows), or
+    None (a row is one sequence, at positions 0, 1, ...)."""
+    X: torch.Tensor
+    Y: torch.Tensor
+    loss_mask: torch.Tensor
+    items: torch.Tensor
+    positions: torch.Tensor | None
 
 
 class Loader:
@@ -131,13 +208,17 @@ class Loader:
         for start in range(0, min(len(mine), limit * self.batch_size), self.batch_size):
             yield self.batch(mine[start : start + self.batch_size])
 
-    def batch(self, indices):
-        """Items -> (X, Y, loss_mask, item indices) on the device."""
+    def batch(self, indices) -> Batch:
+        """Items -> a Batch on the device: rows padded to the longest, or packed rows of max_seq_len."""
         items = [self.dataset[int(i)] for i in indices]
         rows = [item[j] for j in range(len(items[0])) for item in items]  # DPO: all chosen rows, then all rejected
-        batch = (*pad_rows(rows, self.pad_id), torch.as_tensor(np.asarray(indices, dtype=np.int64)))
+        if isinstance(rows[0], Packed):
+            X, Y, M, positions = pack_rows(rows, self.pad_id, self.dataset.max_seq_len)
+        else:
+            (X, Y, M), positions = pad_rows(rows, self.pad_id), None
+        batch = Batch(X, Y, M, torch.as_tensor(np.asarray(indices, dtype=np.int64)), positions)
         if self.device.type == "cuda":  # pinned host memory lets the copy overlap with compute
-            return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in batch)
+            return Batch(*(t if t is None else t.pin_memory().to(self.device, non_blocking=True) for t in batch))
         return batch
 
     def state_dict(self) -> dict:
@@ -183,9 +264,11 @@ def pretrain_loaders(cfg, tokenizer, max_seq_len: int, run) -> tuple[Loader, Loa
 
 
 def sft_loaders(cfg, tokenizer, max_seq_len: int, run) -> tuple[Loader, Loader]:
-    """Conversations of up to max_seq_len + 1 tokens (longer ones lose their earliest turns)."""
-    return stage_loaders(cfg, tokenizer, run, "sft", SFTData, "conversations", max_len=max_seq_len + 1,
-                         skip_bad=cfg.skip_bad)
+    """Conversations of up to max_seq_len + 1 tokens (longer ones lose their earliest turns); with cfg.pack, rows
+    of max_seq_len packed with them."""
+    dataset = (lambda records: PackedSFTData(records, max_seq_len)) if cfg.pack else SFTData
+    return stage_loaders(cfg, tokenizer, run, "sft", dataset, "rows" if cfg.pack else "conversations",
+                         max_len=max_seq_len + 1, skip_bad=cfg.skip_bad)
 
 
 def dpo_loaders(cfg, tokenizer, run) -> tuple[Loader, Loader]:

@@ -59,7 +59,7 @@ def score(items: list[dict], answers: list[str]) -> dict[str, tuple[float, float
 def pair_logprobs(model, data: DPOData, pad_id: int, length_norm: bool) -> torch.Tensor:
     """Log-prob of the chosen and the rejected answer of every pair under an eval-mode model, (n_pairs, 2)."""
     table = torch.zeros(len(data), 2)
-    for X, Y, M, idx in Loader(data, 64, pad_id).batches(10**12):
+    for X, Y, M, idx, _ in Loader(data, 64, pad_id).batches(10**12):
         table[idx] = torch.stack(sequence_logprobs(model, X, Y, M, length_norm).chunk(2), dim=1)
     return table
 

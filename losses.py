@@ -36,10 +36,10 @@ def count_token_bytes(tokenizer) -> torch.Tensor:
     return counts
 
 
-def lm_sums(model, X, Y, loss_mask, token_bytes: torch.Tensor) -> dict[str, torch.Tensor]:
+def lm_sums(model, X, Y, loss_mask, token_bytes: torch.Tensor, positions=None) -> dict[str, torch.Tensor]:
     """One forward pass: the summed cross-entropy of the scored targets in nats, their number, and the UTF-8
-    bytes they stand for."""
-    _, ce = model(X, Y, reduction="none")  # (B, T) nats per target
+    bytes they stand for. positions: a packed batch's (data.Batch)."""
+    _, ce = model(X, Y, reduction="none", positions=positions)  # (B, T) nats per target
     return {"nats": (ce * loss_mask).sum(), "tokens": loss_mask.sum(), "bytes": (token_bytes.to(Y.device)[Y] * loss_mask).sum()}
 
 
@@ -51,7 +51,7 @@ def bits_per_byte(nats: float, n_bytes: float) -> float:
 
 @torch.no_grad()
 def evaluate(batch_sums, batches, run: Run) -> dict[str, float]:
-    """batch_sums(X, Y, loss_mask, indices) -> {name: scalar tensor}, summed over the batches and over the ranks
+    """batch_sums(*batch) (data.Batch's fields) -> {name: scalar tensor}, summed over the batches and over the ranks
     (in float64: a long evaluation's sums stay exact); the caller divides each by the count it summed (tokens,
     pairs), so every item weighs alike however the batches split them."""
     names, totals = [], None
@@ -73,7 +73,7 @@ def lm_totals(model, batches, token_bytes: torch.Tensor, run: Run) -> dict[str, 
     was_training = model.training
     model.eval()
     with run.autocast():
-        t = evaluate(lambda X, Y, M, _: lm_sums(model, X, Y, M, token_bytes), batches, run)
+        t = evaluate(lambda X, Y, M, _, positions: lm_sums(model, X, Y, M, token_bytes, positions), batches, run)
     model.train(was_training)
     loss = t["nats"] / max(t["tokens"], 1)
     return {"loss": loss, "ppl": perplexity(loss), "bpb": bits_per_byte(t["nats"], t["bytes"]),

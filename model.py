@@ -156,7 +156,8 @@ class Attention(nn.Module):
         self.dropout = config.dropout
         self.config = config
 
-    def forward(self, x, cos, sin, cache=None, start_pos: int | torch.Tensor = 0):
+    def forward(self, x, cos, sin, cache=None, start_pos: int | torch.Tensor = 0, packed: torch.Tensor | None = None):
+        """packed: None (causal), or (B, T, T) bool, the keys each query of a packed row sees (packed_visible)."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -169,14 +170,16 @@ class Attention(nn.Module):
             k, v = cache.update(k, v, start_pos)  # (B, K, S, D)
         dropout = self.dropout if self.training else 0.0
         attend = self.sdpa_attention if self.config.uses_flash(x.device.type) else self.math_attention
-        y = attend(q, k, v, start_pos, dropout)
+        y = attend(q, k, v, start_pos, dropout, packed)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return F.dropout(self.wo(y), dropout, self.training)
 
-    def sdpa_attention(self, q, k, v, start_pos: int | torch.Tensor, dropout: float):
+    def sdpa_attention(self, q, k, v, start_pos: int | torch.Tensor, dropout: float, packed=None):
         """PyTorch's fused attention (flash or memory-efficient kernels where the device has them)."""
         T = q.size(2)
-        if isinstance(start_pos, int) and (start_pos == 0 or T == 1):
+        if packed is not None:  # packed conversations: each row its own block-diagonal causal mask
+            mask, causal = packed[:, None], False  # (B, 1, T, T)
+        elif isinstance(start_pos, int) and (start_pos == 0 or T == 1):
             # is_causal masks top-left aligned, right when queries start at key 0; one query at the end of the
             # cache (a decode step) sees every key
             mask, causal = None, start_pos == 0
@@ -188,7 +191,7 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
                                               enable_gqa=grouped)
 
-    def math_attention(self, q, k, v, start_pos: int | torch.Tensor, dropout: float):
+    def math_attention(self, q, k, v, start_pos: int | torch.Tensor, dropout: float, packed=None):
         """softmax(q k^T / sqrt(D) + causal mask) v in plain matmuls: fast on a CPU (no fused kernel there beats it
         for training) and the same on every device. Queries go in tiles of ATTENTION_TILE rows, each against only
         the keys its rows may see, so the tiles above the diagonal (nearly half the work when T = S) are never
@@ -205,16 +208,24 @@ class Attention(nn.Module):
                                    k.transpose(1, 2))  # (B * K, H // K, S)
             probs = F.dropout(scores.float().softmax(dim=-1), dropout, self.training)
             return (probs.to(v.dtype) @ v).view(B, H, T, D)
-        # query t sits at position start_pos + t and may see keys 0 .. start_pos + t (visible_keys, in fewer ops:
-        # this runs in every layer of every decode step)
-        hidden = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(diagonal=start_pos + 1)
-        mask = torch.zeros(T, S, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))  # added to scores
+        if packed is None:
+            # query t sits at position start_pos + t and may see keys 0 .. start_pos + t (visible_keys, in fewer ops:
+            # this runs in every layer of every decode step)
+            hidden = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(diagonal=start_pos + 1)
+            mask = torch.zeros(T, S, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))  # added to scores
+        else:  # packed conversations: each row its own mask, (B, 1, 1, T, S) to broadcast over the heads
+            mask = torch.zeros(packed.shape, dtype=q.dtype, device=q.device).masked_fill(~packed, float("-inf"))
+            mask = mask[:, None, None]
         out = []
         for t0 in range(0, T, ATTENTION_TILE):
             t1 = min(t0 + ATTENTION_TILE, T)
             seen = start_pos + t1  # keys the tile's last row sees; the rows above it see fewer (masked)
             q_tile = q[:, :, :, t0:t1].reshape(B * K, H // K * (t1 - t0), D)
-            scores = torch.baddbmm(mask[t0:t1, :seen].repeat(H // K, 1), q_tile, k[:, :seen].transpose(1, 2))
+            if packed is None:
+                tile_mask = mask[t0:t1, :seen].repeat(H // K, 1)
+            else:  # (B * K, H // K * (t1 - t0), seen): the rows of q_tile, each with its batch row's mask
+                tile_mask = mask[..., t0:t1, :seen].expand(B, K, H // K, t1 - t0, seen).reshape(B * K, -1, seen)
+            scores = torch.baddbmm(tile_mask, q_tile, k[:, :seen].transpose(1, 2))
             # scores: (B * K, H // K * (t1 - t0), seen), one row per (query head of the group, query)
             probs = F.dropout(scores.float().softmax(dim=-1), dropout, self.training)  # fp32: bf16 loses the tail
             out.append((probs.to(v.dtype) @ v[:, :seen]).view(B, K, H // K, t1 - t0, D))
@@ -237,13 +248,26 @@ def visible_keys(start_pos: int | torch.Tensor, T: int, S: int, device) -> torch
     return torch.arange(S, device=device) <= positions[..., None]
 
 
-def reference_attention(q, k, v, start_pos: int | torch.Tensor = 0) -> torch.Tensor:
+def packed_visible(positions: torch.Tensor) -> torch.Tensor:
+    """(B, T, T) bool: query i of a packed row sees key j iff j <= i and j is in i's conversation; positions (B, T)
+    are each token's position in its conversation, and a conversation starts where its position is 0."""
+    index = torch.arange(positions.size(1), device=positions.device)
+    start = torch.cummax(torch.where(positions == 0, index, 0), dim=1).values  # (B, T): where i's conversation starts
+    return (index <= index[:, None]) & (index >= start[..., None])
+
+
+def reference_attention(q, k, v, start_pos: int | torch.Tensor = 0, positions: torch.Tensor | None = None):
     """Causal grouped-query attention in five plain lines, in float32: the oracle both paths are tested against.
-    q (B, H, T, D); k, v (B, K, S, D); query t of a row sits at position start_pos + t."""
+    q (B, H, T, D); k, v (B, K, S, D); query t of a row sits at position start_pos + t. positions (B, T), T == S:
+    packed conversations, each starting at a 0, that see only themselves."""
     H, T, S = q.size(1), q.size(2), k.size(2)
     k, v = (x.float().repeat_interleave(H // x.size(1), dim=1) for x in (k, v))  # each query head's kv head
     scores = q.float() @ k.transpose(2, 3) / math.sqrt(q.size(3))  # (B, H, T, S)
-    scores = scores.masked_fill(~visible_keys(start_pos, T, S, q.device)[:, None], float("-inf"))
+    visible = visible_keys(start_pos, T, S, q.device)
+    if positions is not None:  # counted, not cummax'ed as packed_visible does: the oracle takes another route
+        conversation = (positions == 0).cumsum(dim=1)  # (B, T): each token's conversation number
+        visible = visible & (conversation[:, :, None] == conversation[:, None, :])
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
     return scores.softmax(dim=-1) @ v
 
 
@@ -305,8 +329,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = MoEFeedForward(config) if config.n_experts else FeedForward(config)
 
-    def forward(self, x, cos, sin, cache=None, start_pos: int | torch.Tensor = 0):
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
+    def forward(self, x, cos, sin, cache=None, start_pos: int | torch.Tensor = 0, packed: torch.Tensor | None = None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos, packed)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -336,12 +360,16 @@ class Transformer(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def hidden_states(self, idx, caches: list | None = None, start_pos: int | torch.Tensor = 0):
+    def hidden_states(self, idx, caches: list | None = None, start_pos: int | torch.Tensor = 0,
+                      positions: torch.Tensor | None = None):
         """Token ids (B, T) -> final normalised hidden states (B, T, dim). caches: one engine.KVCache per layer,
         holding the positions before start_pos. start_pos: the position of idx[:, 0], or a (B,) tensor of each
-        row's position when every row decodes one token at its own (T == 1)."""
-        T = idx.size(1)
-        if isinstance(start_pos, int):
+        row's position when every row decodes one token at its own (T == 1). positions (B, T): rows packed with
+        whole conversations, each token's position in its own (0 starts one); each token sees only its own."""
+        T, packed = idx.size(1), None
+        if positions is not None:
+            cos, sin, packed = self.packed_inputs(idx, positions, caches, start_pos)
+        elif isinstance(start_pos, int):
             if start_pos + T > self.config.max_seq_len:
                 raise ValueError(f"sequence of {start_pos + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
             if start_pos > 0 and not caches:
@@ -354,18 +382,29 @@ class Transformer(nn.Module):
         x = F.dropout(self.tok_embeddings(idx), self.config.dropout, self.training)
         for i, layer in enumerate(self.layers):
             if self.config.grad_checkpoint and self.training:
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, None, 0, packed, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, caches[i] if caches else None, start_pos)
+                x = layer(x, cos, sin, caches[i] if caches else None, start_pos, packed)
         return self.norm(x)
 
+    def packed_inputs(self, idx, positions, caches, start_pos):
+        """RoPE cos, sin (B, T, D/2) at each token's position in its conversation, and packed_visible(positions)."""
+        if caches is not None or not isinstance(start_pos, int) or start_pos != 0:
+            raise ValueError("positions (packed conversations) are for training and evaluation: no caches, start_pos 0")
+        if positions.shape != idx.shape:
+            raise ValueError(f"positions {tuple(positions.shape)} must have the shape of idx {tuple(idx.shape)}")
+        if idx.size(1) > self.config.max_seq_len:  # a position is at most its index: the tables hold them all
+            raise ValueError(f"sequence of {idx.size(1)} tokens exceeds max_seq_len={self.config.max_seq_len}")
+        # the mask is built here, once per forward: every layer reads the same one
+        return self.rope_cos[positions], self.rope_sin[positions], packed_visible(positions)
+
     def forward(self, idx, targets=None, loss_mask=None, reduction: str = "mean", caches: list | None = None,
-                start_pos: int | torch.Tensor = 0):
+                start_pos: int | torch.Tensor = 0, positions: torch.Tensor | None = None):
         """With targets (B, T): (logits (B, T, V) float32, loss). loss is the mean cross-entropy over positions
         where loss_mask is 1 (all positions when it is None); with reduction="sum" their sum, with
         reduction="none" the per-token cross-entropy (B, T), unmasked.
-        Without targets: (logits of the last position (B, 1, V), None)."""
-        h = self.hidden_states(idx, caches, start_pos)
+        Without targets: (logits of the last position (B, 1, V), None). positions: see hidden_states."""
+        h = self.hidden_states(idx, caches, start_pos, positions)
         if targets is None:
             return self.output(h[:, -1:]), None
         logits = self.output(h).float()  # fp32 for the loss: bf16 log-softmax over 6400 classes is too coarse

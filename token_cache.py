@@ -440,6 +440,15 @@ class Records:
         cut = self.lo + n_first
         return Records(self.files, self.names, self.lo, cut), Records(self.files, self.names, cut, self.hi)
 
+    def lengths(self) -> np.ndarray:
+        """(n,) int64: the length of each record's first array, from the offsets alone (no token is read)."""
+        parts = []
+        for f, arrays in enumerate(self.files):
+            a, b = max(self.lo, self.starts[f]) - self.starts[f], min(self.hi, self.starts[f + 1]) - self.starts[f]
+            if a < b:
+                parts.append(np.diff(arrays["offsets"][a : b + 1, 0].astype(np.int64)))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
     def token_spans(self) -> list[np.ndarray]:
         """The first array ('tokens', 'prompt') of records lo..hi-1 end to end: one memory-mapped slice per file."""
         spans = []

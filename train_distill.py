@@ -77,9 +77,10 @@ def validation_metrics(model, teacher, val_loader, cfg, run) -> dict[str, float]
     """val_loss: the student's cross-entropy (comparable with a student trained without a teacher, as
     losses.lm_totals defines it), val_kl: its KL from the teacher at temperature T, both per loss-carrying token,
     on the first eval_steps batches."""
-    def batch_sums(X, Y, loss_mask, _):
-        logits, ce = model(X, Y, reduction="none")
-        _, kl_sum, ce_sum = distill_loss(logits, teacher(X, Y)[0], ce, loss_mask, cfg.alpha, cfg.temperature)
+    def batch_sums(X, Y, loss_mask, _, positions):
+        logits, ce = model(X, Y, reduction="none", positions=positions)
+        _, kl_sum, ce_sum = distill_loss(logits, teacher(X, Y, positions=positions)[0], ce, loss_mask, cfg.alpha,
+                                         cfg.temperature)
         return {"loss": ce_sum, "kl": kl_sum, "tokens": loss_mask.sum()}
 
     model.eval()
@@ -119,18 +120,18 @@ def main(argv: list[str]):
         # as in SFT: the step's loss is a mean over all its loss-carrying tokens on all ranks, counted first
         with timer.phase("data"):
             batches = [loader.next_batch() for _ in range(cfg.accum_steps)]
-            n_tokens = all_reduce_sum(sum(loss_mask.sum() for _, _, loss_mask, _ in batches), run).clamp(min=1)
+            n_tokens = all_reduce_sum(sum(batch.loss_mask.sum() for batch in batches), run).clamp(min=1)
         sums = torch.zeros(3, device=run.device)  # loss, KL, cross-entropy
         aux_sum = torch.zeros((), device=run.device)
-        for micro_step, (X, Y, loss_mask, _) in enumerate(batches):
+        for micro_step, (X, Y, loss_mask, _, positions) in enumerate(batches):
             # the student's training FLOPs and the teacher's forward (a third of training's), counted before the
             # work: an error names this batch
             timer.count(X, raw_model.flops_per_token(X.size(1)) + teacher.flops_per_token(X.size(1)) / 3)
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
                     with torch.no_grad():
-                        teacher_logits, _ = teacher(X, Y)  # (B, T, V) float32
-                    logits, ce = model(X, Y, reduction="none")  # (B, T, V), (B, T)
+                        teacher_logits, _ = teacher(X, Y, positions=positions)  # (B, T, V) float32
+                    logits, ce = model(X, Y, reduction="none", positions=positions)  # (B, T, V), (B, T)
                     loss_sum, kl_sum, ce_sum = distill_loss(logits, teacher_logits, ce, loss_mask, cfg.alpha,
                                                             cfg.temperature)
                     loss = loss_sum * run.world_size / n_tokens  # x world_size: DDP averages the ranks' gradients

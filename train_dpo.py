@@ -88,7 +88,7 @@ def reference_tables(ref_path: str, cfg, loaders: dict[str, Loader], run) -> dic
     tables = {}
     for split, loader in loaders.items():
         tables[split] = torch.zeros(len(loader.dataset), 2)
-        for X, Y, M, idx in Loader(loader.dataset, loader.batch_size, loader.pad_id, run.device).batches(10**12):
+        for X, Y, M, idx, _ in Loader(loader.dataset, loader.batch_size, loader.pad_id, run.device).batches(10**12):
             with run.autocast():
                 logps = sequence_logprobs(ref, X, Y, M, cfg.length_norm).float().cpu()
             tables[split][idx.cpu()] = torch.stack(logps.chunk(2), dim=1)
@@ -100,7 +100,7 @@ def reference_tables(ref_path: str, cfg, loaders: dict[str, Loader], run) -> dic
 def pair_loss(policy, reference: Reference, batch, split: str, cfg):
     """DPO loss and metrics of a batch, and the policy's aux loss: chosen rows first, then rejected, through one
     forward pass each model."""
-    X, Y, loss_mask, idx = batch
+    X, Y, loss_mask, idx, _ = batch
     logps = sequence_logprobs(policy, X, Y, loss_mask, cfg.length_norm)
     aux = aux_loss(policy)  # taken before the reference runs: with LoRA it is this same model, adapters off
     return *dpo_loss(*logps.chunk(2), *reference.logprobs(X, Y, loss_mask, idx, split), cfg.beta), aux
@@ -109,8 +109,8 @@ def pair_loss(policy, reference: Reference, batch, split: str, cfg):
 def validation_metrics(model, reference: Reference, val_loader, cfg, run, token_bytes) -> dict[str, float]:
     """val_loss, the validation rewards and val_bpb (bits per byte of the chosen answers, comparable with SFT's),
     on the first eval_steps validation batches."""
-    def batch_sums(X, Y, loss_mask, idx):
-        loss, metrics, _ = pair_loss(model, reference, (X, Y, loss_mask, idx), "val", cfg)  # means over the pairs
+    def batch_sums(X, Y, loss_mask, idx, positions):
+        loss, metrics, _ = pair_loss(model, reference, (X, Y, loss_mask, idx, positions), "val", cfg)  # means over the pairs
         n = X.size(0) // 2  # pairs: the chosen rows come first
         chosen = lm_sums(model, X[:n], Y[:n], loss_mask[:n], token_bytes)
         return {"loss": loss * n, **{k: v * n for k, v in metrics.items()}, "pairs": loss.new_tensor(n),

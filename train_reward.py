@@ -28,7 +28,7 @@ METRICS = ["pair_acc", "reward_margin", "chosen_reward", "rejected_reward"]
 
 def pair_loss(model, batch):
     """Bradley-Terry loss and metrics of a batch: chosen rows first, then rejected, in one forward pass."""
-    X, Y, loss_mask, _ = batch
+    X, Y, loss_mask, _, _ = batch
     return bradley_terry_loss(*batch_scores(model, X, Y, loss_mask).chunk(2))
 
 

@@ -48,13 +48,14 @@ def main(argv: list[str]):
         # batch_size x accum_steps x ranks is exactly one big batch: count those tokens before any backward
         with timer.phase("data"):
             batches = [loader.next_batch() for _ in range(cfg.accum_steps)]
-            n_tokens = all_reduce_sum(sum(loss_mask.sum() for _, _, loss_mask, _ in batches), run).clamp(min=1)
+            n_tokens = all_reduce_sum(sum(batch.loss_mask.sum() for batch in batches), run).clamp(min=1)
         loss_sum, aux_sum = torch.zeros((), device=run.device), torch.zeros((), device=run.device)
-        for micro_step, (X, Y, loss_mask, _) in enumerate(batches):
+        for micro_step, (X, Y, loss_mask, _, positions) in enumerate(batches):
             timer.count(X, raw_model.flops_per_token(X.size(1)))  # before the work: an error names it
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
-                    _, ce_sum = model(X, Y, loss_mask, reduction="sum")  # over this micro-batch's answer tokens
+                    # over this micro-batch's answer tokens; positions: packed rows' (pack=True)
+                    _, ce_sum = model(X, Y, loss_mask, reduction="sum", positions=positions)
                     loss = ce_sum * run.world_size / n_tokens  # x world_size: DDP averages the ranks' gradients
                     aux = aux_loss(model)  # the experts' load balancing (0 for a dense model)
                 with timer.phase("backward"):

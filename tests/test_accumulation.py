@@ -88,7 +88,7 @@ def test_logged_sft_loss_is_the_token_weighted_mean(tiny_pretrained, demo_dir, t
     total, n = 0.0, 0.0
     with torch.no_grad():
         for _ in range(3):
-            X, Y, M, _ = loader.next_batch()
+            X, Y, M, _, _ = loader.next_batch()
             total += model(X, Y, M, reduction="sum")[1].item()
             n += M.sum().item()
     assert row["loss"] == pytest.approx(total / n, rel=1e-5)

@@ -37,11 +37,12 @@ def sft_flags(demo_dir, out_dir):
             "--eval_interval=6", "--dropout=0.1"]
 
 
-def test_alpha_zero_is_exactly_sft_cross_entropy_training(tiny_pretrained, demo_dir, tiny_sft, tmp_path):
+@pytest.mark.parametrize("pack", [False, True])
+def test_alpha_zero_is_exactly_sft_cross_entropy_training(tiny_pretrained, demo_dir, tiny_sft, tmp_path, pack):
     train_sft.main([f"--init_from={tiny_pretrained}", *sft_flags(demo_dir, tmp_path / "sft"),
-                    f"--max_seq_len={TINY_CONTEXT}", "--warmup_ratio=None"])
+                    f"--max_seq_len={TINY_CONTEXT}", "--warmup_ratio=None", f"--pack={pack}"])
     train_distill.main([f"--init_from={tiny_pretrained}", *sft_flags(demo_dir, tmp_path / "distill"),
-                        f"--teacher={tiny_sft}", "--data_kind=sft", "--alpha=0"])
+                        f"--teacher={tiny_sft}", "--data_kind=sft", "--alpha=0", f"--pack={pack}"])
     sft, distilled = train_losses(tmp_path / "sft"), train_losses(tmp_path / "distill")
     assert sft.keys() == distilled.keys() == set(range(1, 7)) and sft == distilled  # bit-identical
     a, b = final_weights(tmp_path / "sft", 6), final_weights(tmp_path / "distill", 6)

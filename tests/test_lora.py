@@ -116,7 +116,7 @@ def test_the_adapters_off_reference_is_the_base_model(tiny_sft, demo_dir):
     tok = load_tokenizer()
     pairs = DPOData(tokenize_file(f"{demo_dir}/dpo.jsonl", tok, "dpo", max_prompt_length=32,
                                   max_completion_length=32, verbose=False))
-    X, Y, M, idx = next(iter(Loader(pairs, 8, tok.pad_id).batches(1)))
+    X, Y, M, idx, _ = next(iter(Loader(pairs, 8, tok.pad_id).batches(1)))
     base, _ = model_from_checkpoint(str(tiny_sft), dropout=0.1)
     policy = add_lora(copy.deepcopy(base), rank=4, alpha=8.0, dropout=0.1)
     for layer in lora_layers(policy):  # trained-looking adapters, and the policy in train mode (dropout on)
