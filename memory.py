@@ -107,7 +107,7 @@ def reset_peak(device) -> int | None:
 
 
 def peak_since_reset(device) -> int | None:
-    """The peak since reset_peak: CUDA's max allocated, the CPU's peak resident set (VmHWM)."""
+    """The peak since reset_peak (or since the process began): CUDA's max allocated, the CPU's resident set (VmHWM)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)

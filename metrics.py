@@ -14,16 +14,14 @@ import torch
 
 from errors import OutOfMemoryError
 from fileio import append_line
-from memory import MemoryWatch, is_out_of_memory, out_of_memory, proc_status
+from memory import MemoryWatch, is_out_of_memory, out_of_memory, peak_since_reset
 from runtime import Run, all_reduce_mean, print0, synchronize
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """CUDA's peak allocated; on a CPU this process's peak resident set: Linux's VmHWM, since getrusage's ru_maxrss
-    keeps the peak of the process it was forked from across exec (a run started by a large process reads its)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    if (peak := proc_status("VmHWM")) is not None:
+    """CUDA's peak allocated; on a CPU this process's peak resident set (memory.peak_since_reset). Where Linux's
+    VmHWM is missing, getrusage's ru_maxrss, which keeps the peak of a process it was forked from across exec."""
+    if (peak := peak_since_reset(device)) is not None:
         return peak / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024) / 1e9
 
