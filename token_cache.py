@@ -46,13 +46,19 @@ def encode_pretrain(tokenizer, record, max_len=None):
 def encode_sft(tokenizer, record, max_len=None):
     if "conversations" not in record:
         raise BadRecord("missing field 'conversations'")
-    ids, mask = encode_chat(tokenizer, record["conversations"], record.get("system"), max_len)  # checks each message
+    ids, mask = encode_chat(tokenizer, record["conversations"], record.get("system"))  # checks each message
     if record["conversations"][-1]["role"] != "assistant":
         raise BadRecord("the last message must be the assistant's")
+    cut = max_len is not None and len(ids) > max_len
+    if cut:  # rendered again to fit: the data report counts what was lost
+        ids, mask = encode_chat(tokenizer, record["conversations"], record.get("system"), max_len)
     if not any(mask):  # the prompt alone fills max_len: nothing to learn, so no batch is ever all-masked
         return None, [f"skipped: no assistant token fits in {max_len} tokens"]
     end = len(mask) - mask[::-1].index(1)  # after the last answer token: ChatML's closing "\n" teaches nothing
-    notes = ["answer cut at max_len"] if ids[end - 1] != tokenizer.eos_id else []
+    if ids[end - 1] != tokenizer.eos_id:
+        notes = ["answer cut at max_len"]
+    else:
+        notes = ["earliest turns dropped to fit max_len"] if cut else []
     return (np.array(ids[:end]), np.array(mask[:end], dtype=np.uint8)), notes
 
 
@@ -440,13 +446,14 @@ class Records:
         cut = self.lo + n_first
         return Records(self.files, self.names, self.lo, cut), Records(self.files, self.names, cut, self.hi)
 
-    def lengths(self) -> np.ndarray:
-        """(n,) int64: the length of each record's first array, from the offsets alone (no token is read)."""
+    def lengths(self, array: int = 0) -> np.ndarray:
+        """(n,) int64: the length of each record's array-th array (DPO: 0 prompt, 1 chosen, 2 rejected), from the
+        offsets alone (no token is read)."""
         parts = []
         for f, arrays in enumerate(self.files):
             a, b = max(self.lo, self.starts[f]) - self.starts[f], min(self.hi, self.starts[f + 1]) - self.starts[f]
             if a < b:
-                parts.append(np.diff(arrays["offsets"][a : b + 1, 0].astype(np.int64)))
+                parts.append(np.diff(arrays["offsets"][a : b + 1, array].astype(np.int64)))
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def token_spans(self) -> list[np.ndarray]:

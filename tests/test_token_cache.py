@@ -119,6 +119,20 @@ def test_dpo_truncation_cuts_prompt_left_and_completion_right(tok, tmp_path):
     assert len(chosen) == 5 and rejected[-1] == tok.eos_id
 
 
+def test_the_data_report_counts_conversations_cut_to_max_len(tok, tmp_path, capsys):
+    """A conversation longer than max_len loses its earliest turns (its last answer whole) or, when the last answer
+    alone is too long, the answer's end: each is counted in the line the data report prints."""
+    turn = [{"role": "user", "content": "a question " * 8}, {"role": "assistant", "content": "an answer " * 8}]
+    rows = [{"conversations": turn[:1] + [{"role": "assistant", "content": "ok"}]},  # fits
+            {"conversations": turn * 3},  # too long: earlier turns go, the last is whole
+            {"conversations": turn[:1] + [{"role": "assistant", "content": "a very long answer " * 40}]}]
+    max_len = len(encode_chat(tok, turn)[0]) + 4
+    records = tokenize_file(write_jsonl(tmp_path / "s.jsonl", rows), tok, "sft", max_len=max_len)
+    report = capsys.readouterr().err.splitlines()[-1]
+    assert report.endswith("; 1 x answer cut at max_len; 1 x earliest turns dropped to fit max_len"), report
+    assert len(records[1][0]) <= max_len and records[1][0][-1] == tok.eos_id
+
+
 # --- the cache ------------------------------------------------------------------------------------
 
 def test_the_cache_is_reused_and_rebuilt_when_source_or_tokenizer_change(tok, tmp_path):
