@@ -162,12 +162,13 @@ class DPOConfig(FinetuneConfig):
     data_path: str = "data/dpo.jsonl"  # JSONL {"prompt", "chosen", "rejected"} or message lists; or a glob / comma list
     max_prompt_length: int | None = None  # longer prompts lose their beginning; None: half of max_seq_len + 1
     max_completion_length: int | None = None  # longer answers lose their end; None: the rest of max_seq_len + 1
+    pack: bool = False  # whole pairs packed into rows of 2 x max_seq_len, attention kept inside each sequence
     # --- DPO
     beta: float = 0.5  # how far the policy may move from the reference; larger = closer
     length_norm: bool = True  # mean log-prob per answer token (fair between long and short answers); False: sum
     precompute_ref: bool = False  # reference log-probs once, before training (cached beside the data)
     # --- training length
-    batch_size: int = 16  # pairs per rank; each step runs 2 x batch_size sequences
+    batch_size: int = 16  # per rank: pairs, 2 x batch_size sequences each padded to the longest; pack: rows
     epochs: int = 2
     # --- optimizer: AdamW, weight decay on matrices only; or Muon for the blocks' matrices, AdamW for the rest
     lr: float = 5e-6
@@ -196,8 +197,9 @@ class RewardConfig(FinetuneConfig):
     data_path: str = "data/dpo.jsonl"  # train_dpo.py's preference pairs; or a glob / comma list
     max_prompt_length: int | None = None  # longer prompts lose their beginning; None: half of max_seq_len
     max_completion_length: int | None = None  # longer answers lose their end; None: the rest of max_seq_len
+    pack: bool = False  # whole pairs packed into rows of 2 x max_seq_len, attention kept inside each sequence
     # --- training length
-    batch_size: int = 16  # pairs per rank; each step runs 2 x batch_size sequences
+    batch_size: int = 16  # per rank: pairs, 2 x batch_size sequences each padded to the longest; pack: rows
     epochs: int = 1  # reward models overfit their pairs after one pass (Ouyang et al. 2022 train one epoch)
     # --- optimizer: AdamW, weight decay on matrices only; or Muon for the blocks' matrices, AdamW for the rest
     lr: float = 1e-5  # InstructGPT's 6B reward model took 9e-6: the body keeps what SFT taught it

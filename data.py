@@ -1,10 +1,11 @@
 """
-The batches the training scripts consume: Batch(X, Y, loss_mask, items, positions) on the device.
+The batches the training scripts consume: Batch(X, Y, loss_mask, items, positions, ends, tokens) on the device.
 
   PretrainData   documents packed end to end, cut into windows of max_seq_len + 1 tokens
   SFTData        one conversation per item, loss on what the assistant writes
   PackedSFTData  whole conversations packed into rows of max_seq_len (best_fit), attention kept inside each
   DPOData        one preference pair per item: prompt + chosen, prompt + rejected
+  PackedDPOData  whole pairs packed into rows of 2 x max_seq_len (the reward model's pieces whole)
   Loader         Batches in a seeded order, split over ranks, resumable; padded to the batch's longest row
   pretrain_loaders, sft_loaders, dpo_loaders   a stage's training and validation loaders from its config
   Prompt, read_prompts, prompt_loaders         RL's prompts (train_grpo.py): item indices, in the same order
@@ -70,10 +71,14 @@ class DPOData(SFTData):
     """Item i -> two rows: (prompt + chosen, prompt + rejected), loss_mask 1 on the answers only."""
 
     def __getitem__(self, i):
-        prompt, chosen, rejected = self.records[i]
-        masked = np.zeros(len(prompt), dtype=np.uint8)
-        return tuple((np.concatenate([prompt, a]), np.concatenate([masked, np.ones(len(a), np.uint8)]))
-                     for a in (chosen, rejected))
+        return pair_pieces(*self.records[i])
+
+
+def pair_pieces(prompt, chosen, rejected) -> tuple:
+    """A preference pair's two sequences, (ids, loss_mask) each: the prompt, then the answer, which alone has loss."""
+    masked = np.zeros(len(prompt), dtype=np.uint8)
+    return tuple((np.concatenate([prompt, a]), np.concatenate([masked, np.ones(len(a), np.uint8)]))
+                 for a in (chosen, rejected))
 
 
 class PackedSFTData:
@@ -83,18 +88,47 @@ class PackedSFTData:
     rank and after a resume; the loader shuffles the rows."""
 
     def __init__(self, records: Records, max_seq_len: int):
-        self.records, self.max_seq_len = records, max_seq_len
+        self.records, self.row_length = records, max_seq_len
         self.rows = best_fit(records.lengths() - 1, max_seq_len)  # a conversation of n ids feeds n - 1 positions
 
     def __len__(self):
         return len(self.rows)
 
     def __getitem__(self, i):
-        return (Packed(self.records[j] for j in self.rows[i]),)
+        return (Packed((self.records[j] for j in self.rows[i]), self.rows[i]),)
+
+
+class PackedDPOData:
+    """Item i -> one row of whole preference pairs, at most 2 x max_seq_len tokens (a pair's two sequences, each up
+    to max_seq_len, share a row, so its log-probs are computed together): the pieces prompt + chosen, prompt +
+    rejected of each pair in turn, as DPOData has them. whole (the reward model, which reads a sequence's last token):
+    each piece gets a dummy last target (its last id again, loss_mask 0), so that every id of it is an input."""
+
+    def __init__(self, records: Records, max_seq_len: int, whole: bool = False):
+        self.records, self.row_length, self.whole = records, 2 * max_seq_len, whole
+        prompt, chosen, rejected = (records.lengths(array) for array in range(3))  # (n,) each
+        pieces = np.stack([prompt + chosen, prompt + rejected]) - (0 if whole else 1)  # input positions of each
+        if pieces.max(initial=0) > max_seq_len:
+            raise DataError(f"a pair's sequence of {pieces.max()} positions exceeds max_seq_len={max_seq_len}")
+        self.rows = best_fit(pieces.sum(axis=0), self.row_length)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        pieces = [piece for j in self.rows[i] for piece in pair_pieces(*self.records[j])]
+        if self.whole:
+            pieces = [(np.append(ids, ids[-1]), np.append(mask, np.uint8(0))) for ids, mask in pieces]
+        return (Packed(pieces, self.rows[i]),)
 
 
 class Packed(list):
-    """A row of several (ids, loss_mask) pieces, each a conversation of its own."""
+    """A row of several (ids, loss_mask) pieces, each a conversation of its own; items: the dataset's item indices
+    they come from, in order (a DPO pair gives two pieces, one item)."""
+
+    def __init__(self, pieces, items):
+        super().__init__(pieces)
+        self.items = items
 
 
 def best_fit(lengths, capacity: int) -> list[list[int]]:
@@ -138,13 +172,15 @@ def pad_rows(rows, pad_id: int):
 
 
 def pack_rows(rows: list[Packed], pad_id: int, T: int):
-    """Packed rows -> X, Y (n, T) int64, loss_mask (n, T) float32 and positions (n, T) int64: each piece shifted on
-    its own (its last id is no input, its first no target), its positions 0, 1, ...; the tail after the last piece
-    is padding, mask 0, each pad at position 0 (a conversation of its own, for the model's attention)."""
+    """Packed rows -> X, Y (n, T) int64, loss_mask (n, T) float32, positions (n, T) int64 and ends (pieces,) int64:
+    each piece shifted on its own (its last id is no input, its first no target), its positions 0, 1, ...; the tail
+    after the last piece is padding, mask 0, each pad at position 0 (a conversation of its own, for the model's
+    attention). ends: where each piece's last position is in X.flatten(), the pieces in row order."""
     X = np.full((len(rows), T), pad_id, dtype=np.int64)
     Y = np.full((len(rows), T), pad_id, dtype=np.int64)
     M = np.zeros((len(rows), T), dtype=np.float32)
     P = np.zeros((len(rows), T), dtype=np.int64)
+    ends = []
     for r, pieces in enumerate(rows):
         at = 0
         for ids, mask in pieces:
@@ -152,17 +188,23 @@ def pack_rows(rows: list[Packed], pad_id: int, T: int):
             X[r, at : at + n], Y[r, at : at + n], P[r, at : at + n] = ids[:-1], ids[1:], np.arange(n)
             M[r, at : at + n] = 1.0 if mask is None else mask[1:]
             at += n
-    return torch.from_numpy(X), torch.from_numpy(Y), torch.from_numpy(M), torch.from_numpy(P)
+            ends.append(r * T + at - 1)
+    return (torch.from_numpy(X), torch.from_numpy(Y), torch.from_numpy(M), torch.from_numpy(P),
+            torch.tensor(ends, dtype=torch.int64))
 
 
 class Batch(NamedTuple):
-    """What a loader hands the loop; positions: each token's position in its own conversation (packed rows), or
-    None (a row is one sequence, at positions 0, 1, ...)."""
+    """What a loader hands the loop. items: the item indices it holds (conversations, windows, pairs). Packed rows
+    (else None): positions, each token's position in its own piece; ends (pieces,), each piece's last position in
+    X.flatten(), the pieces in items' order (a DPO pair's chosen, then its rejected). tokens: the real (non-pad)
+    inputs in X, for the log's padding fraction."""
     X: torch.Tensor
     Y: torch.Tensor
     loss_mask: torch.Tensor
     items: torch.Tensor
     positions: torch.Tensor | None
+    ends: torch.Tensor | None
+    tokens: int
 
 
 class Loader:
@@ -190,7 +232,7 @@ class Loader:
         return self._order[1]
 
     def next_batch(self):
-        """The next training batch: (X, Y, loss_mask, item indices) on the device."""
+        """The next training Batch, on the device."""
         if len(self) == 0:
             raise DataError(f"{self.name}: {len(self.dataset)} items cannot fill one batch of "
                              f"{self.batch_size} x {self.world_size} rank(s)")
@@ -209,16 +251,19 @@ class Loader:
             yield self.batch(mine[start : start + self.batch_size])
 
     def batch(self, indices) -> Batch:
-        """Items -> a Batch on the device: rows padded to the longest, or packed rows of max_seq_len."""
+        """Items -> a Batch on the device: rows padded to the longest, or packed rows of the dataset's row_length."""
         items = [self.dataset[int(i)] for i in indices]
         rows = [item[j] for j in range(len(items[0])) for item in items]  # DPO: all chosen rows, then all rejected
+        tokens = sum(len(ids) - 1 for row in rows for ids, _ in (row if isinstance(row, Packed) else [row]))
         if isinstance(rows[0], Packed):
-            X, Y, M, positions = pack_rows(rows, self.pad_id, self.dataset.max_seq_len)
+            X, Y, M, positions, ends = pack_rows(rows, self.pad_id, self.dataset.row_length)
+            indices = [i for row in rows for i in row.items]
         else:
-            (X, Y, M), positions = pad_rows(rows, self.pad_id), None
-        batch = Batch(X, Y, M, torch.as_tensor(np.asarray(indices, dtype=np.int64)), positions)
+            (X, Y, M), positions, ends = pad_rows(rows, self.pad_id), None, None
+        batch = Batch(X, Y, M, torch.as_tensor(np.asarray(indices, dtype=np.int64)), positions, ends, tokens)
         if self.device.type == "cuda":  # pinned host memory lets the copy overlap with compute
-            return Batch(*(t if t is None else t.pin_memory().to(self.device, non_blocking=True) for t in batch))
+            return Batch(*(t.pin_memory().to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+                           for t in batch))
         return batch
 
     def state_dict(self) -> dict:
@@ -271,10 +316,13 @@ def sft_loaders(cfg, tokenizer, max_seq_len: int, run) -> tuple[Loader, Loader]:
                          max_len=max_seq_len + 1, skip_bad=cfg.skip_bad)
 
 
-def dpo_loaders(cfg, tokenizer, run) -> tuple[Loader, Loader]:
-    """Preference pairs, prompts and answers cut to cfg's max_prompt_length and max_completion_length."""
-    return stage_loaders(cfg, tokenizer, run, "dpo", DPOData, "pairs", max_prompt_length=cfg.max_prompt_length,
-                         max_completion_length=cfg.max_completion_length, skip_bad=cfg.skip_bad)
+def dpo_loaders(cfg, tokenizer, max_seq_len: int, run, whole: bool = False) -> tuple[Loader, Loader]:
+    """Preference pairs, prompts and answers cut to cfg's max_prompt_length and max_completion_length; with
+    cfg.pack, rows of 2 x max_seq_len packed with whole pairs (whole: the reward model's, PackedDPOData)."""
+    dataset = (lambda records: PackedDPOData(records, max_seq_len, whole)) if cfg.pack else DPOData
+    return stage_loaders(cfg, tokenizer, run, "dpo", dataset, "rows" if cfg.pack else "pairs",
+                         max_prompt_length=cfg.max_prompt_length, max_completion_length=cfg.max_completion_length,
+                         skip_bad=cfg.skip_bad)
 
 
 # -----------------------------------------------------------------------------

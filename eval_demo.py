@@ -22,7 +22,7 @@ from config import load_config, usage, words
 from data import DPOData, Loader
 from engine import complete, prompt_ids
 from errors import ConfigError, cli
-from losses import sequence_logprobs
+from losses import pair_logprobs
 from token_cache import tokenize_file
 
 HAN = re.compile(r"[\u4e00-\u9fff]")
@@ -56,11 +56,11 @@ def score(items: list[dict], answers: list[str]) -> dict[str, tuple[float, float
 
 
 @torch.no_grad()
-def pair_logprobs(model, data: DPOData, pad_id: int, length_norm: bool) -> torch.Tensor:
+def pair_table(model, data: DPOData, pad_id: int, length_norm: bool) -> torch.Tensor:
     """Log-prob of the chosen and the rejected answer of every pair under an eval-mode model, (n_pairs, 2)."""
     table = torch.zeros(len(data), 2)
-    for X, Y, M, idx, _ in Loader(data, 64, pad_id).batches(10**12):
-        table[idx] = torch.stack(sequence_logprobs(model, X, Y, M, length_norm).chunk(2), dim=1)
+    for batch in Loader(data, 64, pad_id).batches(10**12):
+        table[batch.items] = torch.stack(pair_logprobs(model, batch, length_norm), dim=1)
     return table
 
 
@@ -88,7 +88,7 @@ def main(argv: list[str]):
         items = [json.loads(line) for line in f]
     pairs = DPOData(tokenize_file(args.dpo_pairs, tokenizer, "dpo", verbose=False)) if args.dpo_pairs else None
     if pairs is not None and args.reference:
-        reference = pair_logprobs(load_same(args.reference), pairs, tokenizer.pad_id, args.length_norm)
+        reference = pair_table(load_same(args.reference), pairs, tokenizer.pad_id, args.length_norm)
     results, preferences = {}, {}
     for path in args.ckpts:
         model = load_same(path)
@@ -96,7 +96,7 @@ def main(argv: list[str]):
         answers = complete(model, tokenizer, prompts, max_new_tokens=48)
         results[path] = score(items, answers)
         if pairs is not None:
-            own = pair_logprobs(model, pairs, tokenizer.pad_id, args.length_norm)
+            own = pair_table(model, pairs, tokenizer.pad_id, args.length_norm)
             preferences[path] = preference(own, reference if args.reference else own)
         for item, answer in list(zip(items, answers))[: args.show]:
             print(f"{path}: {item['question']!r} -> {answer!r} (expected {item['answer']!r})")

@@ -51,12 +51,12 @@ def bits_per_byte(nats: float, n_bytes: float) -> float:
 
 @torch.no_grad()
 def evaluate(batch_sums, batches, run: Run) -> dict[str, float]:
-    """batch_sums(*batch) (data.Batch's fields) -> {name: scalar tensor}, summed over the batches and over the ranks
+    """batch_sums(batch) (a data.Batch) -> {name: scalar tensor}, summed over the batches and over the ranks
     (in float64: a long evaluation's sums stay exact); the caller divides each by the count it summed (tokens,
     pairs), so every item weighs alike however the batches split them."""
     names, totals = [], None
     for batch in batches:
-        sums = batch_sums(*batch)
+        sums = batch_sums(batch)
         values = torch.stack([v.detach().float() for v in sums.values()]).tolist()  # one host sync per batch
         names, totals = list(sums), values if totals is None else [t + v for t, v in zip(totals, values)]
     if run.ddp:  # every rank holds at least one batch (Loader), perhaps one more than another
@@ -73,7 +73,7 @@ def lm_totals(model, batches, token_bytes: torch.Tensor, run: Run) -> dict[str, 
     was_training = model.training
     model.eval()
     with run.autocast():
-        t = evaluate(lambda X, Y, M, _, positions: lm_sums(model, X, Y, M, token_bytes, positions), batches, run)
+        t = evaluate(lambda b: lm_sums(model, b.X, b.Y, b.loss_mask, token_bytes, b.positions), batches, run)
     model.train(was_training)
     loss = t["nats"] / max(t["tokens"], 1)
     return {"loss": loss, "ppl": perplexity(loss), "bpb": bits_per_byte(t["nats"], t["bytes"]),
@@ -93,3 +93,24 @@ def sequence_logprobs(model, X, Y, loss_mask, length_norm: bool) -> torch.Tensor
     _, ce = model(X, Y, reduction="none")  # (n, T)
     logps = (-ce * loss_mask).sum(dim=-1)
     return logps / loss_mask.sum(dim=-1) if length_norm else logps
+
+
+def pair_logprobs(model, batch, length_norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) log-probs, (pairs,) each, of a batch of preference pairs (data.DPOData's rows: the chosen
+    rows, then the rejected; or PackedDPOData's rows: each pair's chosen piece, then its rejected, in turn)."""
+    if batch.positions is None:
+        return sequence_logprobs(model, batch.X, batch.Y, batch.loss_mask, length_norm).chunk(2)
+    _, ce = model(batch.X, batch.Y, reduction="none", positions=batch.positions)  # (B, T)
+    logps = piece_sums(-ce * batch.loss_mask, batch.ends)
+    if length_norm:
+        logps = logps / piece_sums(batch.loss_mask, batch.ends)
+    return logps.view(-1, 2).unbind(dim=1)
+
+
+def piece_sums(values: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """(B, T) values of packed rows -> (pieces,) each piece's sum: the positions after the previous piece's end, up
+    to its own (data.Batch's ends). A row's padding counts to the next piece, so its values must be 0 (masked).
+    Summed piece by piece in a fixed order, not scattered: atomic adds would make CUDA's sums vary run to run."""
+    piece = torch.searchsorted(ends, torch.arange(values.numel(), device=values.device))  # (B * T,)
+    mine = piece == torch.arange(len(ends), device=values.device)[:, None]  # (pieces, B * T)
+    return torch.where(mine, values.flatten(), 0).sum(dim=1)

@@ -63,6 +63,8 @@ class StepTimer:
         self.peak_flops = peak_flops or measure_peak_flops(run.device, run.dtype)
         self.t_start = self.t_last = time.time()
         self.tokens = self.flops = 0  # this rank's, since the last read
+        self.real = None  # the real tokens among them, where the batches count them
+        self.last_read = start_step
         self.seconds = dict.fromkeys(phases, 0.0)
         self.events: list = []  # CUDA: (phase, start event, end event)
         self.step, self.shape = start_step + 1, None  # the step under way and its last batch's shape
@@ -97,9 +99,11 @@ class StepTimer:
                 raise
             raise out_of_memory(e, self.step, where, self.shape, self.run.device) from e
 
-    def count(self, X: torch.Tensor, flops_per_token: float):
-        """Once per micro-batch: the tokens it fed the model, and the training FLOPs they took."""
+    def count(self, X: torch.Tensor, flops_per_token: float, real: int | None = None):
+        """Once per micro-batch: the tokens it fed the model, how many of them are real (not padding; None: not
+        counted, the log shows no padding figures), and the training FLOPs they took."""
         self.tokens += X.numel()
+        self.real = None if real is None else (self.real or 0) + real
         self.flops += flops_per_token * X.numel()
         self.shape = tuple(X.shape)
 
@@ -112,7 +116,8 @@ class StepTimer:
         self.t_last += time.time() - t0
 
     def read(self, step: int) -> dict[str, float]:
-        """tokens_per_s (all ranks), mfu, mem_gb, frac_<phase>, elapsed_s, eta_s; then start a new interval.
+        """tokens_per_s (all ranks, padding included), mfu, mem_gb, frac_<phase>, elapsed_s, eta_s, and where the
+        batches count them real_tokens (per step, all ranks) and pad_frac; then start a new interval.
         Call after a host sync (a .item()), so that the CUDA events have completed."""
         for name, start, end in self.events:
             self.seconds[name] += start.elapsed_time(end) / 1000
@@ -122,7 +127,10 @@ class StepTimer:
                "mfu": self.flops / interval / self.peak_flops, "mem_gb": peak_memory_gb(self.run.device),
                **{f"frac_{p}": s / busy for p, s in self.seconds.items()}, "elapsed_s": elapsed,
                "eta_s": elapsed / (step - self.start_step) * (self.max_steps - step)}
-        self.t_last, self.tokens, self.flops = now, 0, 0
+        if self.real is not None:
+            row |= {"real_tokens": self.real * self.run.world_size / max(step - self.last_read, 1),
+                    "pad_frac": 1 - self.real / max(self.tokens, 1)}
+        self.t_last, self.tokens, self.real, self.flops, self.last_read = now, 0, None, 0, step
         self.seconds, self.events = dict.fromkeys(self.phases, 0.0), []
         if warning := self.memory.sample(step):
             print0(warning)
@@ -148,6 +156,8 @@ def console_line(row: dict, max_steps: int) -> str:
         parts.append(f"reward {row['reward_mean']:.3g} ± {row['reward_std']:.2g} len {row['completion_len']:.3g}")
     tokens = row["tokens_per_s"]
     parts += [f"{tokens / 1e3:.1f}k tok/s" if tokens >= 1e3 else f"{tokens:.0f} tok/s", f"MFU {row['mfu']:.0%}"]
+    if row.get("pad_frac", 0) >= 0.005:  # fine-tuning's padded batches: how much of that speed is padding
+        parts.append(f"pad {row['pad_frac']:.0%}")
     return " | ".join(parts + [f"{clock(row['elapsed_s'])} / ETA {clock(row['eta_s'])}"])
 
 

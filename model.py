@@ -365,7 +365,8 @@ class Transformer(nn.Module):
         """Token ids (B, T) -> final normalised hidden states (B, T, dim). caches: one engine.KVCache per layer,
         holding the positions before start_pos. start_pos: the position of idx[:, 0], or a (B,) tensor of each
         row's position when every row decodes one token at its own (T == 1). positions (B, T): rows packed with
-        whole conversations, each token's position in its own (0 starts one); each token sees only its own."""
+        whole conversations, each token's position in its own (0 starts one, each is under max_seq_len: a row may
+        be longer, DPO's hold two); each token sees only its own."""
         T, packed = idx.size(1), None
         if positions is not None:
             cos, sin, packed = self.packed_inputs(idx, positions, caches, start_pos)
@@ -393,8 +394,6 @@ class Transformer(nn.Module):
             raise ValueError("positions (packed conversations) are for training and evaluation: no caches, start_pos 0")
         if positions.shape != idx.shape:
             raise ValueError(f"positions {tuple(positions.shape)} must have the shape of idx {tuple(idx.shape)}")
-        if idx.size(1) > self.config.max_seq_len:  # a position is at most its index: the tables hold them all
-            raise ValueError(f"sequence of {idx.size(1)} tokens exceeds max_seq_len={self.config.max_seq_len}")
         # the mask is built here, once per forward: every layer reads the same one
         return self.rope_cos[positions], self.rope_sin[positions], packed_visible(positions)
 

@@ -30,10 +30,11 @@ class RewardModel(nn.Module):
         # zero: every reward starts at 0 (the loss at ln 2), and no random direction pulls on SFT's features
         nn.init.zeros_(self.score_head.weight)
 
-    def forward(self, idx: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Right-padded ids (B, T) and each row's number of real tokens (B,) -> rewards (B,) in float32."""
-        h = self.body.hidden_states(idx)  # (B, T, dim), float32: the residual stream's
-        last = h[torch.arange(idx.size(0), device=idx.device), lengths - 1]  # (B, dim)
+    def forward(self, idx: torch.Tensor, ends: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Ids (B, T) -> the rewards (n,) in float32 of the n sequences whose last tokens are at ends (n,) in
+        idx.flatten(). positions: rows packed with several sequences (Transformer.hidden_states)."""
+        h = self.body.hidden_states(idx, positions=positions)  # (B, T, dim), float32: the residual stream's
+        last = h.flatten(0, 1)[ends]  # (n, dim)
         # a dot product in float32: under autocast a Linear would round the reward to bfloat16
         return (last.float() * self.score_head.weight.float()).sum(dim=-1)
 
@@ -51,12 +52,16 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor):
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
-def batch_scores(model, X, Y, loss_mask) -> torch.Tensor:
-    """(n,) rewards of a data.DPOData batch (X, Y: each row's ids and targets, right-padded; loss_mask 1 on the
-    answers): each row whole again, read at its answer's last token, which is the row's last real one."""
+def batch_scores(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) rewards, (pairs,) each, of a batch of preference pairs, each sequence read at its answer's
+    last token. data.DPOData's rows (the chosen, then the rejected; X, Y right-padded, loss_mask 1 on the answers):
+    each row whole again, read at its last real token. PackedDPOData's whole pieces: read at each piece's end."""
+    X, Y, loss_mask, _, positions, ends, _ = batch
+    if positions is not None:
+        return model(X, ends, positions).view(-1, 2).unbind(dim=1)  # each pair's chosen, then its rejected
     ids = torch.cat([X[:, :1], Y], dim=1)  # (n, T + 1): a row's first id, then all the others
-    lengths = torch.arange(2, ids.size(1) + 1, device=ids.device)  # the row's length up to and with Y[:, j]
-    return model(ids, (lengths * (loss_mask > 0)).amax(dim=1))
+    last = (torch.arange(1, ids.size(1), device=ids.device) * (loss_mask > 0)).amax(dim=1)  # Y[:, j] is ids[:, j + 1]
+    return model(ids, torch.arange(ids.size(0), device=ids.device) * ids.size(1) + last).chunk(2)
 
 
 # -----------------------------------------------------------------------------
@@ -97,8 +102,8 @@ def score_ids(model: RewardModel, rows: list[list[int]], pad_id: int, batch_size
         ids = torch.full((len(batch), max(map(len, batch))), pad_id, dtype=torch.long)  # (B, longest row)
         for r, row in enumerate(batch):
             ids[r, : len(row)] = torch.as_tensor(row)
-        lengths = torch.tensor([len(row) for row in batch])
-        rewards += model(ids.to(device), lengths.to(device)).tolist()
+        ends = torch.tensor([r * ids.size(1) + len(row) - 1 for r, row in enumerate(batch)])  # each row's last id
+        rewards += model(ids.to(device), ends.to(device)).tolist()
     return rewards
 
 

@@ -77,7 +77,8 @@ def validation_metrics(model, teacher, val_loader, cfg, run) -> dict[str, float]
     """val_loss: the student's cross-entropy (comparable with a student trained without a teacher, as
     losses.lm_totals defines it), val_kl: its KL from the teacher at temperature T, both per loss-carrying token,
     on the first eval_steps batches."""
-    def batch_sums(X, Y, loss_mask, _, positions):
+    def batch_sums(batch):
+        X, Y, loss_mask, _, positions, _, _ = batch
         logits, ce = model(X, Y, reduction="none", positions=positions)
         _, kl_sum, ce_sum = distill_loss(logits, teacher(X, Y, positions=positions)[0], ce, loss_mask, cfg.alpha,
                                          cfg.temperature)
@@ -123,10 +124,10 @@ def main(argv: list[str]):
             n_tokens = all_reduce_sum(sum(batch.loss_mask.sum() for batch in batches), run).clamp(min=1)
         sums = torch.zeros(3, device=run.device)  # loss, KL, cross-entropy
         aux_sum = torch.zeros((), device=run.device)
-        for micro_step, (X, Y, loss_mask, _, positions) in enumerate(batches):
+        for micro_step, (X, Y, loss_mask, _, positions, _, real_tokens) in enumerate(batches):
             # the student's training FLOPs and the teacher's forward (a third of training's), counted before the
             # work: an error names this batch
-            timer.count(X, raw_model.flops_per_token(X.size(1)) + teacher.flops_per_token(X.size(1)) / 3)
+            timer.count(X, raw_model.flops_per_token(X.size(1)) + teacher.flops_per_token(X.size(1)) / 3, real_tokens)
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
                     with torch.no_grad():

@@ -24,7 +24,7 @@ from checkpoint import (EarlyStopping, atomic_save, checkpoint_to_resume, finetu
 from config import DPOConfig, load_config
 from data import Loader, dpo_loaders
 from errors import CheckpointError, cli
-from losses import bits_per_byte, count_token_bytes, evaluate, lm_sums, sequence_logprobs
+from losses import bits_per_byte, count_token_bytes, evaluate, lm_sums, pair_logprobs
 from metrics import experts_row
 from model import aux_loss
 from optim import get_lr, schedule_length, set_lr
@@ -59,12 +59,13 @@ class Reference:
         self.context = partial(lora.adapters_off, model) if adapters_off else nullcontext
 
     @torch.no_grad()
-    def logprobs(self, X, Y, loss_mask, idx, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chosen, rejected) log-probs, (n_pairs,) each; split ("train" or "val") names the table."""
+    def logprobs(self, batch, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) log-probs of a batch's pairs, (n_pairs,) each; split ("train" or "val") names the
+        table."""
         if self.model is not None:
             with self.context():
-                return sequence_logprobs(self.model, X, Y, loss_mask, self.length_norm).chunk(2)
-        return self.tables[split][idx].unbind(dim=1)
+                return pair_logprobs(self.model, batch, self.length_norm)
+        return self.tables[split][batch.items].unbind(dim=1)
 
 
 @torch.no_grad()
@@ -76,7 +77,7 @@ def reference_tables(ref_path: str, cfg, loaders: dict[str, Loader], run) -> dic
     key = hashlib.blake2b(repr(("tables by split", file_digest(ref_path), file_digest(cfg.data_path), cfg.val_data_path and
                                 file_digest(cfg.val_data_path), cfg.val_fraction, cfg.length_norm,
                                 cfg.max_prompt_length, cfg.max_completion_length, cfg.skip_bad, run.dtype,
-                                run.device.type, cfg.flash)).encode(),
+                                run.device.type, cfg.flash) + (("pack",) if cfg.pack else ())).encode(),
                           digest_size=8).hexdigest()
     path = f"{expand_paths(cfg.data_path)[0]}.ref-{key}.pt"  # beside the first data file
     if os.path.exists(path):
@@ -87,11 +88,11 @@ def reference_tables(ref_path: str, cfg, loaders: dict[str, Loader], run) -> dic
     ref = frozen_model(ref_path, run.device, cfg.flash)
     tables = {}
     for split, loader in loaders.items():
-        tables[split] = torch.zeros(len(loader.dataset), 2)
-        for X, Y, M, idx, _ in Loader(loader.dataset, loader.batch_size, loader.pad_id, run.device).batches(10**12):
+        tables[split] = torch.zeros(len(loader.dataset.records), 2)  # a row per pair
+        for batch in Loader(loader.dataset, loader.batch_size, loader.pad_id, run.device).batches(10**12):
             with run.autocast():
-                logps = sequence_logprobs(ref, X, Y, M, cfg.length_norm).float().cpu()
-            tables[split][idx.cpu()] = torch.stack(logps.chunk(2), dim=1)
+                logps = torch.stack(pair_logprobs(ref, batch, cfg.length_norm), dim=1).float().cpu()
+            tables[split][batch.items.cpu()] = logps
     atomic_save(tables, path)
     print0(f"reference log-probs of {sum(len(t) for t in tables.values()):,} pairs cached in {path}")
     return tables
@@ -100,19 +101,18 @@ def reference_tables(ref_path: str, cfg, loaders: dict[str, Loader], run) -> dic
 def pair_loss(policy, reference: Reference, batch, split: str, cfg):
     """DPO loss and metrics of a batch, and the policy's aux loss: chosen rows first, then rejected, through one
     forward pass each model."""
-    X, Y, loss_mask, idx, _ = batch
-    logps = sequence_logprobs(policy, X, Y, loss_mask, cfg.length_norm)
+    logps = pair_logprobs(policy, batch, cfg.length_norm)
     aux = aux_loss(policy)  # taken before the reference runs: with LoRA it is this same model, adapters off
-    return *dpo_loss(*logps.chunk(2), *reference.logprobs(X, Y, loss_mask, idx, split), cfg.beta), aux
+    return *dpo_loss(*logps, *reference.logprobs(batch, split), cfg.beta), aux
 
 
 def validation_metrics(model, reference: Reference, val_loader, cfg, run, token_bytes) -> dict[str, float]:
     """val_loss, the validation rewards and val_bpb (bits per byte of the chosen answers, comparable with SFT's),
     on the first eval_steps validation batches."""
-    def batch_sums(X, Y, loss_mask, idx, positions):
-        loss, metrics, _ = pair_loss(model, reference, (X, Y, loss_mask, idx, positions), "val", cfg)  # means over the pairs
-        n = X.size(0) // 2  # pairs: the chosen rows come first
-        chosen = lm_sums(model, X[:n], Y[:n], loss_mask[:n], token_bytes)
+    def batch_sums(batch):
+        loss, metrics, _ = pair_loss(model, reference, batch, "val", cfg)  # means over the pairs
+        n = len(batch.items)  # pairs
+        chosen = chosen_lm_sums(model, batch, token_bytes)
         return {"loss": loss * n, **{k: v * n for k, v in metrics.items()}, "pairs": loss.new_tensor(n),
                 "nats": chosen["nats"], "bytes": chosen["bytes"]}
 
@@ -122,6 +122,16 @@ def validation_metrics(model, reference: Reference, val_loader, cfg, run, token_
     model.train()
     pairs, val_bpb = sums.pop("pairs"), bits_per_byte(sums.pop("nats"), sums.pop("bytes"))
     return {f"val_{k}": v / pairs for k, v in sums.items()} | {"val_bpb": val_bpb}
+
+
+def chosen_lm_sums(model, batch, token_bytes) -> dict[str, torch.Tensor]:
+    """lm_sums of the chosen answers of a batch of pairs: its first half of rows, or each row's even pieces."""
+    X, Y, loss_mask, items, positions, ends, _ = batch
+    if positions is None:
+        n = len(items)  # the chosen rows come first
+        return lm_sums(model, X[:n], Y[:n], loss_mask[:n], token_bytes)
+    piece = torch.searchsorted(ends, torch.arange(X.numel(), device=X.device)).view_as(X)  # as losses.piece_sums
+    return lm_sums(model, X, Y, loss_mask * (piece % 2 == 0), token_bytes, positions)
 
 
 def make_reference(cfg, run, model, loader, val_loader) -> Reference:
@@ -146,7 +156,7 @@ def main(argv: list[str]):
     print_run(cfg, model_cfg, run)
     resume_from = checkpoint_to_resume(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer_path)
-    loader, val_loader = dpo_loaders(cfg, tokenizer, run)
+    loader, val_loader = dpo_loaders(cfg, tokenizer, model_cfg.max_seq_len, run)
     max_steps, warmup_steps, steps_per_epoch = schedule_length(cfg, loader, val_loader, run)
     reference = make_reference(cfg, run, model, loader, val_loader)
 
@@ -166,7 +176,7 @@ def main(argv: list[str]):
         for micro_step in range(cfg.accum_steps):
             with timer.phase("data"):
                 batch = loader.next_batch()
-            timer.count(batch[0], raw_model.flops_per_token(batch[0].size(1)))  # before the work: an error names it
+            timer.count(batch.X, raw_model.flops_per_token(batch.X.size(1)), batch.tokens)  # before the work: an error names it
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
                     loss, metrics, aux = pair_loss(model, reference, batch, "train", cfg)

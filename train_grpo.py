@@ -106,7 +106,7 @@ def validation_reward(raw_model, val_loader, rewarder: Rewarder, cfg, tokenizer,
             sums["pass"] = sum(answer_reward(t, reference(p.record)) == 1.0 for p, t in zip(b.prompts, b.texts))
         return {k: torch.tensor(float(v)) for k, v in sums.items()}
 
-    totals = evaluate(batch_sums, ((batch,) for batch in val_loader.batches(cfg.eval_steps)), run)
+    totals = evaluate(batch_sums, val_loader.batches(cfg.eval_steps), run)
     n = totals.pop("prompts")
     return {"val_reward": totals["reward"] / n} | ({"val_pass1": totals["pass"] / n} if "pass" in totals else {})
 

@@ -46,7 +46,7 @@ def main(argv: list[str]):
         loss_sum, aux_sum = torch.zeros((), device=run.device), torch.zeros((), device=run.device)
         for micro_step in range(cfg.accum_steps):
             with timer.phase("data"):
-                X, Y, loss_mask, _, _ = loader.next_batch()  # windows of one stream: no positions
+                X, Y, loss_mask, *_ = loader.next_batch()  # windows of one stream: no padding, no positions
             timer.count(X, raw_model.flops_per_token(X.size(1)))  # before the work: an error names it
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():

@@ -27,16 +27,15 @@ METRICS = ["pair_acc", "reward_margin", "chosen_reward", "rejected_reward"]
 
 
 def pair_loss(model, batch):
-    """Bradley-Terry loss and metrics of a batch: chosen rows first, then rejected, in one forward pass."""
-    X, Y, loss_mask, _, _ = batch
-    return bradley_terry_loss(*batch_scores(model, X, Y, loss_mask).chunk(2))
+    """Bradley-Terry loss and metrics of a batch of pairs, in one forward pass."""
+    return bradley_terry_loss(*batch_scores(model, batch))
 
 
 def validation_metrics(model, val_loader, cfg, run) -> dict[str, float]:
     """val_loss and the validation METRICS, means over the pairs of the first eval_steps validation batches."""
-    def batch_sums(*batch):
+    def batch_sums(batch):
         loss, metrics = pair_loss(model, batch)  # means over the batch's pairs
-        n = batch[0].size(0) // 2
+        n = len(batch.items)
         return {"loss": loss * n, **{k: v * n for k, v in metrics.items()}, "pairs": loss.new_tensor(n)}
 
     model.eval()
@@ -56,7 +55,7 @@ def main(argv: list[str]):
     print_run(cfg, model_cfg, run)
     resume_from = checkpoint_to_resume(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer_path)
-    loader, val_loader = dpo_loaders(cfg, tokenizer, run)
+    loader, val_loader = dpo_loaders(cfg, tokenizer, model_cfg.max_seq_len, run, whole=True)
     max_steps, warmup_steps, steps_per_epoch = schedule_length(cfg, loader, val_loader, run)
     model = RewardModel(body)
 
@@ -74,7 +73,7 @@ def main(argv: list[str]):
         for micro_step in range(cfg.accum_steps):
             with timer.phase("data"):
                 batch = loader.next_batch()
-            timer.count(batch[0], raw_model.flops_per_token(batch[0].size(1)))  # before the work: an error names it
+            timer.count(batch.X, raw_model.flops_per_token(batch.X.size(1)), batch.tokens)  # before the work: an error names it
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
                     loss, metrics = pair_loss(model, batch)

@@ -50,8 +50,8 @@ def main(argv: list[str]):
             batches = [loader.next_batch() for _ in range(cfg.accum_steps)]
             n_tokens = all_reduce_sum(sum(batch.loss_mask.sum() for batch in batches), run).clamp(min=1)
         loss_sum, aux_sum = torch.zeros((), device=run.device), torch.zeros((), device=run.device)
-        for micro_step, (X, Y, loss_mask, _, positions) in enumerate(batches):
-            timer.count(X, raw_model.flops_per_token(X.size(1)))  # before the work: an error names it
+        for micro_step, (X, Y, loss_mask, _, positions, _, real_tokens) in enumerate(batches):
+            timer.count(X, raw_model.flops_per_token(X.size(1)), real_tokens)  # before the work: an error names it
             with run.no_sync(model, last_micro_step=micro_step == cfg.accum_steps - 1):
                 with timer.phase("forward"), run.autocast():
                     # over this micro-batch's answer tokens; positions: packed rows' (pack=True)

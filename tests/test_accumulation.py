@@ -18,25 +18,26 @@ def stage_args(stage, demo_dir, tiny_pretrained):
     common = [*TINY_RUN, "--max_grad_norm=0", f"--max_steps={STEPS}", "--eval_interval=100", "--save_interval=100"]
     if stage == "pretrain":
         return [f"--data_path={demo_dir}/pretrain.jsonl", *TINY_MODEL, "--lr=3e-3", "--warmup_steps=2", *common]
-    # SFT: conversations of different lengths, so micro-batches hold different numbers of answer tokens
+    # SFT: conversations of different lengths, so micro-batches hold different numbers of answer tokens; packed:
+    # rows of several conversations, each attending only to itself
     return [f"--init_from={tiny_pretrained}", f"--data_path={demo_dir}/sft.jsonl", "--max_seq_len=64", "--lr=3e-3",
-            "--warmup_ratio=0.5", *common]
+            "--warmup_ratio=0.5", *common, *(["--pack=True"] if stage == "sft_pack" else [])]
 
 
 def run_split(stage, args, out_dir, batch_size, accum_steps, ranks):
     args = [*args, f"--batch_size={batch_size}", f"--accum_steps={accum_steps}", f"--out_dir={out_dir}"]
-    script = {"pretrain": train_pretrain, "sft": train_sft}[stage]
+    script = {"pretrain": train_pretrain, "sft": train_sft, "sft_pack": train_sft}[stage]
     if ranks == 1:
         script.main(args)
         return
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           os.path.join(REPO, f"train_{stage}.py"), *args]
+           os.path.join(REPO, script.__file__), *args]
     result = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("stage", ["pretrain", "sft"])
+@pytest.mark.parametrize("stage", ["pretrain", "sft", "sft_pack"])
 def test_batch_4_equals_2_x_accum_2_equals_2_ranks_x_1_x_accum_2(stage, demo_dir, tiny_pretrained, tmp_path):
     args = stage_args(stage, demo_dir, tiny_pretrained)
     splits = {"4x1": (4, 1, 1), "2x2": (2, 2, 1), "2 ranks x 1x2": (1, 2, 2)}
@@ -88,7 +89,7 @@ def test_logged_sft_loss_is_the_token_weighted_mean(tiny_pretrained, demo_dir, t
     total, n = 0.0, 0.0
     with torch.no_grad():
         for _ in range(3):
-            X, Y, M, _, _ = loader.next_batch()
+            X, Y, M, *_ = loader.next_batch()
             total += model(X, Y, M, reduction="sum")[1].item()
             n += M.sum().item()
     assert row["loss"] == pytest.approx(total / n, rel=1e-5)

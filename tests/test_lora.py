@@ -116,14 +116,14 @@ def test_the_adapters_off_reference_is_the_base_model(tiny_sft, demo_dir):
     tok = load_tokenizer()
     pairs = DPOData(tokenize_file(f"{demo_dir}/dpo.jsonl", tok, "dpo", max_prompt_length=32,
                                   max_completion_length=32, verbose=False))
-    X, Y, M, idx, _ = next(iter(Loader(pairs, 8, tok.pad_id).batches(1)))
+    batch = next(iter(Loader(pairs, 8, tok.pad_id).batches(1)))
     base, _ = model_from_checkpoint(str(tiny_sft), dropout=0.1)
     policy = add_lora(copy.deepcopy(base), rank=4, alpha=8.0, dropout=0.1)
     for layer in lora_layers(policy):  # trained-looking adapters, and the policy in train mode (dropout on)
         torch.nn.init.normal_(layer.lora_b, std=0.1)
     reference = train_dpo.Reference(policy, None, length_norm=False, adapters_off=True)
-    expected = train_dpo.sequence_logprobs(base.eval(), X, Y, M, length_norm=False).chunk(2)
-    got = reference.logprobs(X, Y, M, idx, "train")
+    expected = train_dpo.pair_logprobs(base.eval(), batch, length_norm=False)
+    got = reference.logprobs(batch, "train")
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
     assert policy.training and all(layer.enabled for layer in lora_layers(policy))  # switched back on
 

@@ -46,7 +46,7 @@ def test_best_fit_refuses_an_item_longer_than_a_row():
 def test_packed_rows_hold_each_conversation_as_padding_would_with_positions_restarting():
     rng = np.random.default_rng(0)
     pieces = [(rng.integers(3, 50, n), rng.integers(0, 2, n).astype(np.uint8)) for n in (5, 9, 4, 2)]
-    X, Y, M, P = pack_rows([Packed(pieces[:3]), Packed(pieces[3:])], pad_id=0, T=20)
+    X, Y, M, P, ends = pack_rows([Packed(pieces[:3], [0, 1, 2]), Packed(pieces[3:], [3])], pad_id=0, T=20)
     assert X.shape == Y.shape == M.shape == P.shape == (2, 20)
     row, at = 0, 0
     for k, piece in enumerate(pieces):
@@ -58,6 +58,7 @@ def test_packed_rows_hold_each_conversation_as_padding_would_with_positions_rest
         assert torch.equal(M[row, at:at + n], m[0]) and P[row, at:at + n].tolist() == list(range(n))
         at += n
     assert M[0, 15:].sum() == 0 and P[0, 15:].tolist() == [0] * 5 and X[0, 15:].tolist() == [0] * 5  # padding
+    assert ends.tolist() == [3, 11, 14, 20]  # each piece's last input in X.flatten()
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +71,10 @@ def test_a_packed_epoch_holds_every_conversation_once_in_rows_of_max_seq_len(con
     loader = Loader(data, 8, tok.pad_id, seed=3)
     seen = []
     for _ in range(len(loader)):
-        X, Y, M, items, P = loader.next_batch()
+        X, Y, M, items, P, _, tokens = loader.next_batch()
         assert X.shape == P.shape == (8, TINY_CONTEXT)
-        seen += [j for i in items.tolist() for j in data.rows[i]]
+        assert tokens == sum(conversations.lengths()[items] - 1) <= X.numel()  # the real inputs, padding not
+        seen += items.tolist()  # the conversations in the rows
     full = len(loader) * 8
     assert len(seen) == len(set(seen)) == sum(len(data.rows[i]) for i in loader.order(0)[:full])
     lengths = conversations.lengths() - 1
@@ -86,7 +88,7 @@ def test_the_packed_step_has_the_padded_steps_loss_and_gradients(conversations, 
     data = PackedSFTData(conversations, TINY_CONTEXT)
     rows = [data[i][0] for i in range(6)]
     model = tiny(vocab_size=tok.vocab_size, max_seq_len=TINY_CONTEXT, flash=flash)
-    X, Y, M, P = pack_rows(rows, tok.pad_id, TINY_CONTEXT)
+    X, Y, M, P, _ = pack_rows(rows, tok.pad_id, TINY_CONTEXT)
     packed = model(X, Y, M, reduction="sum", positions=P)[1]
     packed.backward()
     packed_grads = [p.grad.clone() for p in model.parameters()]

@@ -71,17 +71,18 @@ def test_the_head_reads_the_last_real_token_and_padding_after_it_changes_nothing
     assert score_ids(model, [long, short, long], pad_id=0)[1] == pytest.approx(alone, abs=1e-6)
     padded = torch.tensor([short + [7] * 6, long])  # padding of any id, the length given explicitly
     with torch.no_grad():
-        batch = model(padded, torch.tensor([5, 11]))
+        ends = torch.tensor([4, 11 + 10])  # each row's last real token in padded.flatten(), the rows 11 long
+        batch = model(padded, ends)
         assert batch[0].item() == pytest.approx(alone, abs=1e-6)
-        assert model(padded, torch.tensor([4, 11]))[0].item() != pytest.approx(alone, abs=1e-3)  # another token
+        assert model(padded, ends - 1)[0].item() != pytest.approx(alone, abs=1e-3)  # another token
         changed = padded.clone()
         changed[0, 4] = (changed[0, 4] + 1) % 97  # the last real token itself
-        assert model(changed, torch.tensor([5, 11]))[0].item() != pytest.approx(alone, abs=1e-3)
+        assert model(changed, ends)[0].item() != pytest.approx(alone, abs=1e-3)
 
 
 def test_a_fresh_head_scores_zero():
     model = RewardModel(tiny())
-    assert model(torch.randint(0, 97, (3, 9)), torch.tensor([9, 4, 1])).tolist() == [0.0, 0.0, 0.0]
+    assert model(torch.randint(0, 97, (3, 9)), torch.tensor([8, 12, 18])).tolist() == [0.0, 0.0, 0.0]
 
 
 def test_the_bradley_terry_loss_and_pair_accuracy_by_hand():
