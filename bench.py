@@ -2,7 +2,8 @@
 Measured speed of every stage, through the real code: tokens/s, ms/step, MFU, peak memory and where a step's
 time goes for train_pretrain.py, train_sft.py, train_dpo.py and train_grpo.py (each run as it is, on synthetic
 data); KV-cache decoding against recomputation; a group of RL completions sampled together against one by one;
-tokenisation and batching throughput; a model with experts against the dense one of as many active parameters.
+tokenisation and batching throughput; a model with experts against the dense one of as many active parameters; SFT
+on whole conversations packed into rows against rows padded to the batch's longest, in real (non-pad) tokens/s.
 
     python bench.py configs/26m.py --mode=train --batch_size=8 --variants "dtype=float32" "dtype=bfloat16"
     python bench.py configs/26m.py --mode=sft --batch_size=8
@@ -13,20 +14,20 @@ tokenisation and batching throughput; a model with experts against the dense one
     python bench.py configs/26m.py --mode=data --batch_size=8
     python bench.py configs/26m.py --mode=serve                    # serve.py: 1 client alone, then 8 at once
     python bench.py configs/moe_198m.py --mode=moe --max_seq_len=128 --batch_size=4  # MoE vs dense, in turns
+    python bench.py configs/26m.py --mode=pack --batch_size=8 --steps=3   # SFT packed vs padded, lognormal lengths
 
 Bench's own keys are those of Bench below; every other --key=value goes to the training script (sft/dpo/grpo: model
 keys shape the random-init checkpoint they start from; generate/data: model, batch_size, device, dtype; moe: as
-train, with experts); --help lists both. --variants is the one key that takes several words, a variant each: a
-space-separated list of key=value overrides on top of those; each runs in a fresh subprocess, so its peak memory
-(CUDA max allocated, or peak RSS on the CPU) is its own. The
-script runs `steps` warm-up steps, then `steps` more, each logged (and timed) on its own: tokens/s, ms/step, MFU and
-the time split are those of the fastest of them, tokens_per_s_median and mfu_median those of the median one. MFU is
-against the measured matmul peak of the run's dtype: peak_repeats measurements before the first variant and after
-every one, the best of all of them in the whole bench run. On a shared VM the speed of the same work can move by
-half from second to second, so the fastest step against the fastest matmul, both sampled over the same minutes,
-compares like with like, and the median shows what a long run sees. other_load is how many cores other processes
-kept busy meanwhile (from /proc/stat; a VM's neighbours on the same host do not show in it). The last line of output
-is one JSON object with every figure.
+train, with experts; pack: as sft); --help lists both. --variants is the one key that takes several words, a variant
+each: a space-separated list of key=value overrides on top of those; each runs in a fresh subprocess, so its peak
+memory (CUDA max allocated, or peak RSS on the CPU) is its own. The script runs `steps` warm-up steps, then `steps`
+more, each logged (and timed) on its own: tokens/s, ms/step, MFU and the time split are those of the fastest of
+them, tokens_per_s_median and mfu_median those of the median one. MFU is against the measured matmul peak of the
+run's dtype: peak_repeats measurements before the first variant and after every one, the best of all of them in the
+whole bench run. On a shared VM the speed of the same work can move by half from second to second, so the fastest
+step against the fastest matmul, both sampled over the same minutes, compares like with like, and the median shows
+what a long run sees. other_load is how many cores other processes kept busy meanwhile (from /proc/stat; a VM's
+neighbours on the same host do not show in it). The last line of output is one JSON object with every figure.
 """
 import dataclasses
 import json
@@ -51,16 +52,16 @@ from metrics import measure_peak_flops
 from model import ModelConfig, Transformer
 from runtime import setup, synchronize
 from serve_load import running_server, timed_clients
-from synthetic import Synthetic, write_pretraining_file
+from synthetic import LENGTHS, Synthetic, write_pretraining_file
 from timing import BestPeak, OtherLoad, calls_per_second, fastest_and_median, machine, measured_process, spread
 from token_cache import tokenize_file
-from tokenizer import load_tokenizer
+from tokenizer import DEFAULT_DIR, load_tokenizer
 
 
 @dataclasses.dataclass
 class Bench:
     # --- what to measure
-    mode: str = "train"  # train | sft | dpo | lora | grpo | generate | data | serve | moe
+    mode: str = "train"  # train | sft | dpo | lora | grpo | generate | data | serve | moe | pack
     steps: int = 5  # steps 1..N warm up (allocations settle), N+1..2N are timed one by one
     peak_repeats: int = 3  # measure_peak_flops runs before the first variant and after each (unless --peak_flops)
     # --- mode=lora
@@ -72,8 +73,10 @@ class Bench:
     new_tokens: int = 256
     # --- mode=serve
     clients: int = 8  # streams at once, against one alone
-    # --- mode=serve and mode=moe
-    rounds: int = 3  # serve: one client alone, then `clients` together (a row each); moe: experts, then dense
+    # --- mode=serve, mode=moe and mode=pack
+    rounds: int = 3  # serve: 1 client, then `clients` (a row each); moe: experts, then dense; pack: padded, then packed
+    # --- mode=sft and mode=pack
+    lengths: str = ""  # the conversations' lengths: uniform | lognormal (synthetic.py); "": lognormal for mode=pack
     # --- mode=data
     data_mb: float = 2000.0  # size of the synthetic file to tokenise when no --data_path is given (deleted after)
 
@@ -95,17 +98,22 @@ def keys(*schemas) -> set[str]:
     return {f.name for schema in schemas for f in dataclasses.fields(schema)}
 
 
+def stage_script(mode: str) -> tuple:
+    """(script, its Config) of the stage a mode runs: lora and pack run SFT; generate, data, serve and moe read
+    train_pretrain's keys."""
+    return SCRIPTS.get("sft" if mode in ("lora", "pack") else mode, SCRIPTS["train"])
+
+
 def stage_schemas(mode: str) -> tuple:
-    """The dataclasses a mode's flags fill: the stage script's Config (generate and data read a few of
-    train_pretrain's) and the model's."""
-    return SCRIPTS.get("sft" if mode == "lora" else mode, SCRIPTS["train"])[1], ModelConfig
+    """The dataclasses a mode's flags fill: the stage script's Config and the model's."""
+    return stage_script(mode)[1], ModelConfig
 
 
 def print_help(argv: list[str]):
     """Bench's keys, then those of the stage --mode names (default: train), under bench's own usage line."""
     (bench,) = load_config([a for a in argv if key(a) == "mode"], Bench)
     schemas = stage_schemas(bench.mode)
-    script = SCRIPTS.get("sft" if bench.mode == "lora" else bench.mode, SCRIPTS["train"])[0]
+    script = stage_script(bench.mode)[0]
     keys = help_text((Bench, *schemas), ()).split("\n", 1)[1]  # without its usage line, which knows no variants
     print(f"{USAGE}\nBench's keys, then those of {script} and the model (--mode=sft --help, --mode=dpo --help, "
           f"--mode=grpo --help: theirs); a variant sets the latter.\n{keys}")
@@ -129,8 +137,12 @@ def parse_args(argv: list[str]) -> tuple[Bench, list[str], list[str]]:
             end += 1
         variants, argv = argv[i + 1 : end + 1], argv[:i] + argv[end + 1 :]
     (bench,) = load_config([a for a in argv if key(a) in keys(Bench)], Bench)
-    if bench.mode not in (*SCRIPTS, "lora", "generate", "data", "serve", "moe"):
-        raise ConfigError(f"mode must be train, sft, dpo, lora, grpo, generate, data, serve or moe, got {bench.mode!r}")
+    if bench.mode not in (*SCRIPTS, "lora", "generate", "data", "serve", "moe", "pack"):
+        raise ConfigError(f"mode must be train, sft, dpo, lora, grpo, generate, data, serve, moe or pack, "
+                          f"got {bench.mode!r}")
+    bench = dataclasses.replace(bench, lengths=bench.lengths or ("lognormal" if bench.mode == "pack" else "uniform"))
+    if bench.lengths not in LENGTHS:
+        raise ConfigError(f"lengths must be {' or '.join(LENGTHS)}, got {bench.lengths!r}")
     flags += [a for a in argv if key(a) not in keys(Bench)]
     variants = variants or DEFAULT_VARIANTS.get(bench.mode, [""])
     for variant in variants:
@@ -148,11 +160,11 @@ def variant_flags(variant: str) -> list[str]:
 def resolve(mode: str, flags: list[str]):
     """(script config, model config) the flags give; an unknown key is an error that names it."""
     schema = stage_schemas(mode)[0]
-    if mode not in ("sft", "dpo", "lora", "grpo"):
+    if mode not in ("sft", "dpo", "lora", "grpo", "pack"):
         return load_config(flags, schema, ModelConfig)
     unknown = {key(f) for f in flags} - keys(schema, ModelConfig)
     if unknown:
-        raise ConfigError(f"unknown config key(s) {sorted(unknown)} for train_{mode}.py or ModelConfig")
+        raise ConfigError(f"unknown config key(s) {sorted(unknown)} for {stage_script(mode)[0]} or ModelConfig")
     return (load_config([f for f in flags if key(f) in keys(schema)], schema)[0],
             load_config([f for f in flags if key(f) in keys(ModelConfig)], ModelConfig)[0])
 
@@ -171,11 +183,12 @@ def timed_steps(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak
     if "data_path" not in given:
         synth.rng.seed(cfg.seed)  # every variant or run of one mode trains on the same conversations (lengths)
         for split, n in (("train", n_items), ("val", cfg.batch_size)):
-            demo_data.write_jsonl(f"{tmp}/{split}.jsonl", synth.stage_data(mode, cfg, model_cfg, n))
+            demo_data.write_jsonl(f"{tmp}/{split}.jsonl", synth.stage_data(mode, cfg, model_cfg, n, bench.lengths))
         args += [f"--data_path={tmp}/train.jsonl", f"--val_data_path={tmp}/val.jsonl"]
     if mode != "train" and "init_from" not in given:  # random weights train as fast as pretrained ones
-        torch.save({"model": Transformer(model_cfg).state_dict(), "model_config": dataclasses.asdict(model_cfg)},
-                   f"{tmp}/init.pt")
+        # the tokenizer the synthetic data were sized with (a checkpoint that names none is of nanomind's)
+        torch.save({"model": Transformer(model_cfg).state_dict(), "model_config": dataclasses.asdict(model_cfg),
+                    "config": {"tokenizer_path": cfg.tokenizer_path or str(DEFAULT_DIR)}}, f"{tmp}/init.pt")
         args.append(f"--init_from={tmp}/init.pt")
     n = bench.steps
     args += [f"--out_dir={tmp}/out", f"--max_steps={2 * n}", "--log_interval=1", f"--eval_interval={NEVER}",
@@ -202,13 +215,32 @@ def timed_steps(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak
 
 
 def run_stage(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
-    """One variant of train/sft/dpo: tokens/s, ms/step, MFU and time split of the fastest and the median step."""
+    """One variant of train/sft/dpo: tokens/s, ms/step, MFU and time split of the fastest and the median step; where
+    the script logs its padding, real tokens/s too (real_tokens)."""
     steps, measured_on = timed_steps(bench, flags, tmp, synth, peak_of)
     (fastest, fastest_s), (median, _) = fastest_and_median(steps, lambda step: step[0]["tokens_per_s"])
     return [{"tokens_per_s": fastest["tokens_per_s"], "tokens_per_s_median": median["tokens_per_s"],
              "ms_per_step": 1000 * fastest_s, "tokens_per_step": fastest["tokens_per_s"] * fastest_s,
              "mfu": fastest["mfu"], "mfu_median": median["mfu"], "mem_gb": steps[-1][0]["mem_gb"],
-             **{k: v for k, v in fastest.items() if k.startswith("frac_")}, **measured_on}]
+             **{k: v for k, v in fastest.items() if k.startswith("frac_")}, **real_tokens(steps), **measured_on}]
+
+
+def real_tokens(steps: list) -> dict:
+    """From the timed steps' pad_frac (the share of the input tokens fed that are padding): real_tokens_per_s of the
+    fastest and the median step by it (tokens_per_s x (1 - pad_frac): what padding wastes and packing recovers),
+    pad_frac of all their input tokens together and the real tokens a step fed (their mean). Nothing where the log
+    has no pad_frac."""
+    if any("pad_frac" not in row for row, _ in steps):
+        return {}
+
+    def real(step) -> float:
+        return step[0]["tokens_per_s"] * (1 - step[0]["pad_frac"])
+
+    fastest, median = fastest_and_median(steps, real)
+    fed = [row["tokens_per_s"] * seconds for row, seconds in steps]  # each step's input tokens
+    real_fed = [n * (1 - row["pad_frac"]) for n, (row, _) in zip(fed, steps)]
+    return {"real_tokens_per_s": real(fastest), "real_tokens_per_s_median": real(median),
+            "pad_frac": 1 - sum(real_fed) / sum(fed), "real_tokens_per_step": statistics.mean(real_fed)}
 
 
 def run_lora(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
@@ -432,13 +464,49 @@ def run_moe(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of)
     return rows
 
 
+def run_pack(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
+    """train_sft.py on one file of conversations (of bench.lengths), with rows padded to the batch's longest
+    (pack=False) and with rows of max_seq_len packed with whole conversations (pack=True), each through run_stage,
+    in turns (padded, packed, padded, ...) for `rounds` rounds, so that the machine's changing load hits both alike;
+    batch_size counts conversations in the one and rows in the other. A row per way: tokens/s fed (padding included)
+    and real tokens/s of its median step (the median over the rounds) and of its fastest of all rounds, its padding
+    fraction, the real tokens a step fed, and each round's ratio of its median real tokens/s to the padded run's
+    (vs_padded: the median, min and max over the rounds)."""
+    ways = {"padded": ["--pack=False"], "packed": ["--pack=True"]}
+    rounds = []
+    for r in range(bench.rounds):
+        rounds.append({})
+        for name, extra in ways.items():
+            os.makedirs(run_dir := f"{tmp}/{r}_{name}")
+            print(f"  round {r + 1} {name} ...", file=sys.stderr, flush=True)
+            (rounds[-1][name],) = run_stage(dataclasses.replace(bench, mode="sft"), flags + extra, run_dir, synth,
+                                            peak_of)
+    if "pad_frac" not in rounds[0]["padded"]:
+        raise RuntimeError("train_sft.py logged no pad_frac: mode=pack needs metrics rows with it")
+    rows = []
+    for name in ways:
+        runs = [measured[name] for measured in rounds]
+        rows.append({"way": name, **{k: statistics.median(row[k] for row in runs) for k in (
+                         "tokens_per_s_median", "real_tokens_per_s_median", "pad_frac", "real_tokens_per_step")},
+                     "real_tokens_per_s": max(row["real_tokens_per_s"] for row in runs),
+                     "mem_gb": max(row["mem_gb"] for row in runs),
+                     **spread("vs_padded", (m[name]["real_tokens_per_s_median"]
+                                            / m["padded"]["real_tokens_per_s_median"] for m in rounds)),
+                     "device": runs[0]["device"], "dtype": runs[0]["dtype"]})
+    return rows
+
+
 RUNNERS = {"train": run_stage, "sft": run_stage, "dpo": run_stage, "lora": run_lora, "grpo": run_grpo,
-           "generate": run_generate, "data": run_data, "serve": run_serve, "moe": run_moe}
+           "generate": run_generate, "data": run_data, "serve": run_serve, "moe": run_moe, "pack": run_pack}
 STAGE_COLUMNS = {"tokens_per_s": "{:.0f}", "tokens_per_s_median": "{:.0f}", "ms_per_step": "{:.0f}",
                  "mfu": "{:.2%}", "mfu_median": "{:.2%}", "mem_gb": "{:.2f}",
                  "frac_data": "{:.1%}", "frac_forward": "{:.1%}", "frac_backward": "{:.1%}", "frac_optimizer": "{:.1%}"}
-# each mode's table: column -> format (main puts variant before them and other_load after)
-COLUMNS = {"train": STAGE_COLUMNS, "sft": STAGE_COLUMNS, "dpo": STAGE_COLUMNS,
+REAL_COLUMNS = {"real_tokens_per_s": "{:.0f}", "real_tokens_per_s_median": "{:.0f}", "pad_frac": "{:.1%}"}
+# each mode's table: column -> format (main puts variant before them and other_load after; "-" where a row has none)
+COLUMNS = {"train": STAGE_COLUMNS, "sft": {**STAGE_COLUMNS, **REAL_COLUMNS}, "dpo": STAGE_COLUMNS,
+           "pack": {"way": "{}", "tokens_per_s_median": "{:.0f}", **REAL_COLUMNS,
+                    "real_tokens_per_step": "{:.0f}", "mem_gb": "{:.2f}", "vs_padded": "{:.2f}x",
+                    "vs_padded_min": "{:.2f}x", "vs_padded_max": "{:.2f}x"},
            "lora": {"run": "{}", "trainable_params": "{:,}", "tokens_per_s": "{:.0f}", "tokens_per_s_median": "{:.0f}",
                     "ms_per_step": "{:.0f}", "mem_gb": "{:.2f}"},
            "grpo": {"rollout_tokens_per_s": "{:.0f}", "rollout_tokens_per_s_median": "{:.0f}", "ms_per_step": "{:.0f}",
@@ -480,7 +548,7 @@ def main(argv: list[str]) -> dict:
             scale = row["peak_flops"] / best  # the script logged MFU against the best peak at its start
             row["mfu"], row["mfu_median"], row["peak_flops"] = row["mfu"] * scale, row["mfu_median"] * scale, best
     columns = {"variant": "{}", **COLUMNS[bench.mode], "other_load": "{:.2f}"}
-    cells = [list(columns)] + [[fmt.format(row[k]) for k, fmt in columns.items()] for row in rows]
+    cells = [list(columns)] + [[fmt.format(row[k]) if k in row else "-" for k, fmt in columns.items()] for row in rows]
     for line in cells:
         print("  ".join(c.rjust(max(len(r[i]) for r in cells)) for i, c in enumerate(line)))
     result = {"mode": bench.mode, "argv": list(argv), "machine": info, "rows": rows, "peak_flops": peak_of.best}

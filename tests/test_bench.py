@@ -1,6 +1,8 @@
-"""bench.py: each mode (training, generation, DPO, GRPO, data, serving, LoRA, MoE against dense) runs the real code and ends with a
-JSON row, MFU against the best peak sampled around each variant; --help, and a user's mistake as one error line."""
+"""bench.py: each mode (training, generation, DPO, GRPO, data, serving, LoRA, MoE against dense, SFT packed against
+padded) runs the real code and ends with a JSON row, MFU against the best peak sampled around each variant; --help,
+and a user's mistake as one error line."""
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -182,7 +184,7 @@ def test_a_user_mistake_is_one_error_line_and_exit_status_2_before_anything_runs
     assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: ") and "'bogus'" in done.stderr
     assert "Traceback" not in done.stderr
     for args, named in [(["--mode=sft", "--variants", "lr=1e-3", "lrr=2"], "'lrr'"), (["--mode=nope"], "'nope'"),
-                        (["--mode=moe"], "n_experts > 0"),
+                        (["--mode=moe"], "n_experts > 0"), (["--mode=sft", "--lengths=skewed"], "'skewed'"),
                         (["--mode=moe", "--n_experts=4", "--variants", "", "n_experts=0"], "variant 'n_experts=0'")]:
         with pytest.raises(ConfigError, match=named):
             bench.main([*args, *TINY])
@@ -263,3 +265,35 @@ def test_moe_mode_runs_the_two_models_in_turns_and_takes_each_rounds_ratio(monke
     assert (moe["mfu"], moe["mfu_median"]) == (0.6, pytest.approx(0.15))  # the median's MFU against the same peak
     assert (dense["tokens_per_s"], dense["tokens_per_s_median"], dense["vs_dense_max"]) == (20.0, 5.0, 1.0)
     assert (moe["mem_gb"], dense["mem_gb"], moe["mem_vs_dense"]) == (2.0, 1.0, 2.0) and moe["frac_backward"] == 0.6
+
+
+def test_lognormal_conversations_are_mostly_short_with_a_tail_and_fill_the_packed_rows_too():
+    synth = bench.Synthetic(load_tokenizer())
+    assert bench.parse_args(["--mode=pack"])[0].lengths == "lognormal"  # the skew is what packing is measured on
+    assert bench.parse_args(["--mode=sft"])[0].lengths == "uniform"  # the other modes' figures stay comparable
+    conversations = synth.conversations(129, 100, "lognormal")  # max_seq_len 128
+    lengths = [synth.length_of(c) for c in conversations]
+    assert lengths == [synth.length_of(c, 129) for c in conversations]  # none too long: train_sft.py cuts none
+    assert len(conversations) >= 100 and sum(n - 1 for n in lengths) >= 100 * 128  # they fill 100 packed rows
+    assert max(lengths) <= 129 and 0.2 * 129 <= statistics.median(lengths) <= 0.32 * 129  # median ~ a quarter
+    assert sum(n > 2 * statistics.median(lengths) for n in lengths) >= 0.1 * len(lengths)  # a long tail
+
+
+def test_real_tokens_weigh_each_steps_padding_by_the_tokens_it_fed():
+    steps = [({"tokens_per_s": 100.0, "pad_frac": 0.5}, 1.0), ({"tokens_per_s": 150.0, "pad_frac": 0.0}, 2.0)]
+    measured = bench.real_tokens(steps)
+    assert measured["pad_frac"] == pytest.approx(50 / 400) and measured["real_tokens_per_step"] == pytest.approx(175)
+    assert (measured["real_tokens_per_s"], measured["real_tokens_per_s_median"]) == (150.0, 50.0)
+    assert bench.real_tokens([({"tokens_per_s": 100.0}, 1.0)]) == {}  # a log without padding figures
+
+
+def test_pack_mode_runs_padded_and_packed_sft_in_turns_on_one_file(capsys):
+    result = bench.main(["--mode=pack", *TINY, "--max_seq_len=128", "--batch_size=2", "--steps=1", "--rounds=1"])
+    padded, packed = last_json(capsys)["rows"]
+    assert (padded["way"], packed["way"]) == ("padded", "packed") and result["rows"] == [padded, packed]
+    for row in (padded, packed):  # one timed step: its real tokens/s are its tokens/s less the padding
+        assert row["real_tokens_per_s_median"] == pytest.approx(row["tokens_per_s_median"] * (1 - row["pad_frac"]))
+    # same batch_size in rows: packed rows of 128 hold several conversations, a padded row one
+    assert packed["pad_frac"] < padded["pad_frac"] and packed["real_tokens_per_step"] > padded["real_tokens_per_step"]
+    assert padded["vs_padded"] == 1.0 and packed["vs_padded"] == packed["vs_padded_min"] == pytest.approx(
+        packed["real_tokens_per_s_median"] / padded["real_tokens_per_s_median"])
