@@ -139,9 +139,9 @@ class SFTConfig(FinetuneConfig):
     # --- data
     data_path: str = "data/sft_mini_512.jsonl"  # JSONL {"conversations": [{"role", "content"}, ...]}; or a glob / comma list
     max_seq_len: int = 512  # longer conversations lose their earliest turns
-    pack: bool = False  # whole conversations packed into rows of max_seq_len, attention kept inside each
+    pack: bool = True  # whole conversations packed into rows of max_seq_len, attention kept inside each; False: padded
     # --- training length
-    batch_size: int = 32  # per rank: conversations, padded to the batch's longest; pack: rows of max_seq_len
+    batch_size: int = 32  # per rank: rows of max_seq_len; pack=False: conversations, padded to the batch's longest
     epochs: int = 10  # an upper bound: early stopping usually ends it sooner
     # --- optimizer: AdamW, weight decay on matrices only; or Muon for the blocks' matrices, AdamW for the rest
     lr: float = 2e-5

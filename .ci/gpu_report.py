@@ -13,7 +13,9 @@ STAGE = {"variant": ("variant", "{}"), "tokens_per_s": ("tokens/s", "{:,.0f}"),
          "tokens_per_s_median": ("median tokens/s", "{:,.0f}"), "ms_per_step": ("ms/step", "{:.1f}"),
          "tokens_per_step": ("tokens/step", "{:,.0f}"), "mfu": ("MFU", "{:.1%}"), "mfu_median": ("median MFU", "{:.1%}"),
          "mem_gb": ("peak GB", "{:.2f}"), "dtype": ("dtype", "{}")}
-TABLES = {"train": STAGE, "sft": STAGE,
+TABLES = {"train": STAGE,
+          "sft": {**STAGE, "real_tokens_per_s_median": ("median real tokens/s", "{:,.0f}"),
+                  "pad_frac": ("padding", "{:.1%}")},
           "generate": {"batch_size": ("batch", "{}"), "prefill_tokens_per_s": ("prefill tokens/s", "{:,.0f}"),
                        "decode_tokens_per_s_cache": ("decode tokens/s (KV cache)", "{:,.1f}"),
                        "decode_tokens_per_s_recompute": ("decode tokens/s (recompute)", "{:,.1f}"),
@@ -102,7 +104,7 @@ def markdown(report: dict) -> str:
     else:
         out += [f"**Device tests**: no JUnit file (not run, or stopped at the deadline): "
                 f"{report['tests_summary'] or 'see gpu.log'}", ""]
-    titles = {"train": "Pretraining, 26m, bfloat16, compile on and off", "sft": "SFT, 26m, bfloat16",
+    titles = {"train": "Pretraining, 26m, bfloat16, compile on and off", "sft": "SFT, 26m, bfloat16: padded, packed, packed and compiled",
               "generate": "Generation, 26m, bfloat16 (greedy, batch 1 and 8)", "serve": "serve.py, 26m: 1 stream, then 8"}
     for name in BENCH:
         bench = report["bench"].get(name)

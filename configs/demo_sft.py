@@ -3,6 +3,7 @@ out_dir = "out/demo/sft"
 init_from = "out/demo/pretrain/best.pt"
 data_path = "data/demo/sft.jsonl"
 val_fraction = 0.05
+pack = False  # padded batches, as the demo's figures were measured (packed SFT does as well: docs/demo.md)
 max_seq_len = 128
 flash = True  # see configs/demo.py
 batch_size = 32

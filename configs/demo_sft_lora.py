@@ -4,6 +4,7 @@ out_dir = "out/demo/sft_lora"
 init_from = "out/demo/pretrain/best.pt"
 data_path = "data/demo/sft.jsonl"
 val_fraction = 0.05
+pack = False  # padded batches, as this recipe's figures were measured
 max_seq_len = 128
 flash = True  # see configs/demo.py
 lora_rank = 8

@@ -4,6 +4,7 @@ out_dir = "out/demo/tools_sft"
 init_from = "out/demo/tools_pretrain/best.pt"
 data_path = "data/demo/tools_sft.jsonl"
 val_fraction = 0.05
+pack = False  # padded batches, as this recipe's figures were measured
 max_seq_len = 384
 flash = True
 batch_size = 16

@@ -18,15 +18,15 @@ def stage_args(stage, demo_dir, tiny_pretrained):
     common = [*TINY_RUN, "--max_grad_norm=0", f"--max_steps={STEPS}", "--eval_interval=100", "--save_interval=100"]
     if stage == "pretrain":
         return [f"--data_path={demo_dir}/pretrain.jsonl", *TINY_MODEL, "--lr=3e-3", "--warmup_steps=2", *common]
-    # SFT: conversations of different lengths, so micro-batches hold different numbers of answer tokens; packed:
-    # rows of several conversations, each attending only to itself
+    # SFT: rows packed with conversations of different lengths, so micro-batches hold different numbers of answer
+    # tokens; padded: a conversation per row
     return [f"--init_from={tiny_pretrained}", f"--data_path={demo_dir}/sft.jsonl", "--max_seq_len=64", "--lr=3e-3",
-            "--warmup_ratio=0.5", *common, *(["--pack=True"] if stage == "sft_pack" else [])]
+            "--warmup_ratio=0.5", *common, *(["--pack=False"] if stage == "sft_padded" else [])]
 
 
 def run_split(stage, args, out_dir, batch_size, accum_steps, ranks):
     args = [*args, f"--batch_size={batch_size}", f"--accum_steps={accum_steps}", f"--out_dir={out_dir}"]
-    script = {"pretrain": train_pretrain, "sft": train_sft, "sft_pack": train_sft}[stage]
+    script = {"pretrain": train_pretrain, "sft": train_sft, "sft_padded": train_sft}[stage]
     if ranks == 1:
         script.main(args)
         return
@@ -37,7 +37,7 @@ def run_split(stage, args, out_dir, batch_size, accum_steps, ranks):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("stage", ["pretrain", "sft", "sft_pack"])
+@pytest.mark.parametrize("stage", ["pretrain", "sft", "sft_padded"])
 def test_batch_4_equals_2_x_accum_2_equals_2_ranks_x_1_x_accum_2(stage, demo_dir, tiny_pretrained, tmp_path):
     args = stage_args(stage, demo_dir, tiny_pretrained)
     splits = {"4x1": (4, 1, 1), "2x2": (2, 2, 1), "2 ranks x 1x2": (1, 2, 2)}
@@ -59,13 +59,13 @@ def test_batch_4_equals_2_x_accum_2_equals_2_ranks_x_1_x_accum_2(stage, demo_dir
 
 def test_sft_micro_batches_hold_different_numbers_of_answer_tokens(demo_dir, tiny_pretrained, tmp_path):
     """The premise of the SFT case above: a mean of micro-batch means would differ from the one big batch."""
-    from data import Loader, SFTData
+    from data import Loader, PackedSFTData
     from token_cache import load_split
     from tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer()
     records, _ = load_split(f"{demo_dir}/sft.jsonl", None, 0.05, tokenizer, "sft", max_len=65, verbose=False)
-    loader = Loader(SFTData(records), 2, tokenizer.pad_id, seed=1337)
+    loader = Loader(PackedSFTData(records, 64), 2, tokenizer.pad_id, seed=1337)  # rows of 64, as the run's
     counts = [loader.next_batch()[2].sum().item() for _ in range(2 * STEPS)]
     assert len(set(counts)) > 1
 
@@ -74,7 +74,7 @@ def test_logged_sft_loss_is_the_token_weighted_mean(tiny_pretrained, demo_dir, t
     """With accumulation, the logged step loss is sum(cross-entropy over answer tokens) / their number, as
     computed here from the checkpoint the run started from and the batches its loader gives."""
     from checkpoint import model_from_checkpoint
-    from data import Loader, SFTData
+    from data import Loader, PackedSFTData
     from token_cache import load_split
     from tokenizer import load_tokenizer
 
@@ -84,12 +84,12 @@ def test_logged_sft_loss_is_the_token_weighted_mean(tiny_pretrained, demo_dir, t
     (row,) = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     tokenizer = load_tokenizer()
     records, _ = load_split(f"{demo_dir}/sft.jsonl", None, 0.05, tokenizer, "sft", max_len=65, verbose=False)
-    loader = Loader(SFTData(records), 2, tokenizer.pad_id, seed=1337)
+    loader = Loader(PackedSFTData(records, 64), 2, tokenizer.pad_id, seed=1337)  # rows of 64, as the run's
     model, _ = model_from_checkpoint(str(tiny_pretrained))
     total, n = 0.0, 0.0
     with torch.no_grad():
         for _ in range(3):
-            X, Y, M, *_ = loader.next_batch()
-            total += model(X, Y, M, reduction="sum")[1].item()
+            X, Y, M, _, positions, *_ = loader.next_batch()
+            total += model(X, Y, M, reduction="sum", positions=positions)[1].item()
             n += M.sum().item()
     assert row["loss"] == pytest.approx(total / n, rel=1e-5)
