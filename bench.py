@@ -438,14 +438,7 @@ def run_moe(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of)
     time split), the median of its rounds' median steps, its largest peak memory, and each round's ratio of its
     fastest step to the dense model's (vs_dense: the median, min and max over the rounds) and of the peak memories."""
     models = {"moe": flags, "dense": flags + dense_counterpart(resolve("train", flags)[1])}
-    rounds = []
-    for r in range(bench.rounds):
-        rounds.append({})
-        for name, model_flags in models.items():
-            os.makedirs(run_dir := f"{tmp}/{r}_{name}")
-            print(f"  round {r + 1} {name} ...", file=sys.stderr, flush=True)
-            (rounds[-1][name],) = run_stage(dataclasses.replace(bench, mode="train"), model_flags, run_dir, synth,
-                                            peak_of)
+    rounds = in_turns(bench, "train", models, tmp, synth, peak_of)
     rows, dense_mem = [], max(measured["dense"]["mem_gb"] for measured in rounds)
     for name, model_flags in models.items():
         runs = [measured[name] for measured in rounds]
@@ -464,6 +457,19 @@ def run_moe(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of)
     return rows
 
 
+def in_turns(bench: Bench, mode: str, runs: dict[str, list[str]], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
+    """Each of runs (name -> flags) through run_stage as mode, in turns, for bench.rounds rounds: a dict per round,
+    name -> its row."""
+    rounds = []
+    for r in range(bench.rounds):
+        rounds.append({})
+        for name, run_flags in runs.items():
+            os.makedirs(run_dir := f"{tmp}/{r}_{name}")
+            print(f"  round {r + 1} {name} ...", file=sys.stderr, flush=True)
+            (rounds[-1][name],) = run_stage(dataclasses.replace(bench, mode=mode), run_flags, run_dir, synth, peak_of)
+    return rounds
+
+
 def run_pack(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
     """train_sft.py on one file of conversations (of bench.lengths), with rows padded to the batch's longest
     (pack=False) and with rows of max_seq_len packed with whole conversations (pack=True), each through run_stage,
@@ -472,15 +478,8 @@ def run_pack(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of
     and real tokens/s of its median step (the median over the rounds) and of its fastest of all rounds, its padding
     fraction, the real tokens a step fed, and each round's ratio of its median real tokens/s to the padded run's
     (vs_padded: the median, min and max over the rounds)."""
-    ways = {"padded": ["--pack=False"], "packed": ["--pack=True"]}
-    rounds = []
-    for r in range(bench.rounds):
-        rounds.append({})
-        for name, extra in ways.items():
-            os.makedirs(run_dir := f"{tmp}/{r}_{name}")
-            print(f"  round {r + 1} {name} ...", file=sys.stderr, flush=True)
-            (rounds[-1][name],) = run_stage(dataclasses.replace(bench, mode="sft"), flags + extra, run_dir, synth,
-                                            peak_of)
+    ways = {"padded": flags + ["--pack=False"], "packed": flags + ["--pack=True"]}
+    rounds = in_turns(bench, "sft", ways, tmp, synth, peak_of)
     if "pad_frac" not in rounds[0]["padded"]:
         raise RuntimeError("train_sft.py logged no pad_frac: mode=pack needs metrics rows with it")
     rows = []

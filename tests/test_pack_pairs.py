@@ -32,15 +32,21 @@ def packed_and_padded(pairs, tok, whole: bool, rows: int = 6):
     return packed, padded
 
 
-def outputs_and_gradients(model, batches, loss_of):
-    """For each batch: what loss_of(model, batch) returns, detached, and the gradients of its loss."""
+def assert_packed_as_padded(model, pairs, tok, whole: bool, pair_values, loss_of, apart: float):
+    """pair_values(model, batch) -> (chosen, rejected) of each pair; loss_of(chosen, rejected) -> a loss. On the
+    packed batch and on the same pairs padded: the same values within 1e-5 (chosen and rejected at least `apart`
+    apart, so that a swap or a shift between pairs would show) and the same gradients of the loss."""
     results = []
-    for batch in batches:
+    for batch in packed_and_padded(pairs, tok, whole):
         model.zero_grad()
-        loss, outputs = loss_of(model, batch)
-        loss.backward()
-        results.append(([o.detach() for o in outputs], [p.grad.clone() for p in model.parameters()]))
-    return results
+        chosen, rejected = pair_values(model, batch)
+        loss_of(chosen, rejected).backward()
+        results.append(((chosen.detach(), rejected.detach()), [p.grad.clone() for p in model.parameters()]))
+    ((chosen, rejected), packed_grads), ((expected_chosen, expected_rejected), padded_grads) = results
+    torch.testing.assert_close(chosen, expected_chosen, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rejected, expected_rejected, rtol=1e-5, atol=1e-5)
+    assert (chosen - rejected).abs().min() > apart
+    assert_gradients_close(packed_grads, padded_grads)
 
 
 def assert_gradients_close(grads, expected):
@@ -57,19 +63,8 @@ def test_packed_pairs_have_the_padded_pairs_logprobs_and_gradients(pairs, tok, f
     """float32: each pair's chosen and rejected log-prob within 1e-5, the gradients of a loss weighing every one
     differently within rounding; chosen and rejected apart (a swap or a shift between pairs would show)."""
     model = tiny(vocab_size=tok.vocab_size, max_seq_len=CONTEXT, flash=flash)
-    packed, padded = packed_and_padded(pairs, tok, whole=False)
-    weights = torch.linspace(-1.0, 1.0, len(packed.items))
-
-    def loss_of(model, batch):
-        chosen, rejected = pair_logprobs(model, batch, length_norm)
-        return (weights * (chosen - 2 * rejected)).sum(), (chosen, rejected)
-
-    ((chosen, rejected), packed_grads), (expected, padded_grads) = outputs_and_gradients(model, (packed, padded),
-                                                                                        loss_of)
-    torch.testing.assert_close(chosen, expected[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(rejected, expected[1], rtol=1e-5, atol=1e-5)
-    assert (chosen - rejected).abs().min() > 1e-3
-    assert_gradients_close(packed_grads, padded_grads)
+    assert_packed_as_padded(model, pairs, tok, False, lambda model, batch: pair_logprobs(model, batch, length_norm),
+                            lambda c, r: (torch.linspace(-1.0, 1.0, len(c)) * (c - 2 * r)).sum(), apart=1e-3)
 
 
 @pytest.mark.parametrize("flash", [False, True])
@@ -78,18 +73,8 @@ def test_packed_pairs_get_the_padded_pairs_rewards_and_gradients(pairs, tok, fla
     Bradley-Terry gradients."""
     model = RewardModel(tiny(vocab_size=tok.vocab_size, max_seq_len=CONTEXT, flash=flash))
     torch.nn.init.normal_(model.score_head.weight, generator=torch.Generator().manual_seed(0))  # a zero head says 0
-    packed, padded = packed_and_padded(pairs, tok, whole=True)
-
-    def loss_of(model, batch):
-        chosen, rejected = batch_scores(model, batch)
-        return bradley_terry_loss(chosen, rejected)[0], (chosen, rejected)
-
-    ((chosen, rejected), packed_grads), (expected, padded_grads) = outputs_and_gradients(model, (packed, padded),
-                                                                                        loss_of)
-    torch.testing.assert_close(chosen, expected[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(rejected, expected[1], rtol=1e-5, atol=1e-5)
-    assert (chosen - rejected).abs().min() > 1e-4
-    assert_gradients_close(packed_grads, padded_grads)
+    assert_packed_as_padded(model, pairs, tok, True, batch_scores, lambda c, r: bradley_terry_loss(c, r)[0],
+                            apart=1e-4)
 
 
 def test_a_pair_longer_than_the_context_is_refused(pairs):
