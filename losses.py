@@ -111,6 +111,11 @@ def piece_sums(values: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """(B, T) values of packed rows -> (pieces,) each piece's sum: the positions after the previous piece's end, up
     to its own (data.Batch's ends). A row's padding counts to the next piece, so its values must be 0 (masked).
     Summed piece by piece in a fixed order, not scattered: atomic adds would make CUDA's sums vary run to run."""
-    piece = torch.searchsorted(ends, torch.arange(values.numel(), device=values.device))  # (B * T,)
-    mine = piece == torch.arange(len(ends), device=values.device)[:, None]  # (pieces, B * T)
+    mine = piece_of(ends, values).flatten() == torch.arange(len(ends), device=values.device)[:, None]  # (pieces, B*T)
     return torch.where(mine, values.flatten(), 0).sum(dim=1)
+
+
+def piece_of(ends: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(B, T) int64: which packed piece each position of a (B, T) batch belongs to (data.Batch's ends); a row's
+    padding gets the next piece's number, or len(ends) after the last."""
+    return torch.searchsorted(ends, torch.arange(like.numel(), device=like.device)).view(like.shape)

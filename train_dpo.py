@@ -24,7 +24,7 @@ from checkpoint import (EarlyStopping, atomic_save, checkpoint_to_resume, finetu
 from config import DPOConfig, load_config
 from data import Loader, dpo_loaders
 from errors import CheckpointError, cli
-from losses import bits_per_byte, count_token_bytes, evaluate, lm_sums, pair_logprobs
+from losses import bits_per_byte, count_token_bytes, evaluate, lm_sums, pair_logprobs, piece_of
 from metrics import experts_row
 from model import aux_loss
 from optim import get_lr, schedule_length, set_lr
@@ -130,8 +130,7 @@ def chosen_lm_sums(model, batch, token_bytes) -> dict[str, torch.Tensor]:
     if positions is None:
         n = len(items)  # the chosen rows come first
         return lm_sums(model, X[:n], Y[:n], loss_mask[:n], token_bytes)
-    piece = torch.searchsorted(ends, torch.arange(X.numel(), device=X.device)).view_as(X)  # as losses.piece_sums
-    return lm_sums(model, X, Y, loss_mask * (piece % 2 == 0), token_bytes, positions)
+    return lm_sums(model, X, Y, loss_mask * (piece_of(ends, X) % 2 == 0), token_bytes, positions)
 
 
 def make_reference(cfg, run, model, loader, val_loader) -> Reference:
