@@ -224,13 +224,14 @@ def txt_documents(raw: bytes, lineno: int, path: str) -> list[tuple[int, dict]]:
 
 
 _worker: dict = {}
+WORKER_STATE = ("tokenizer", "kind", "path", "options", "skip_bad", "dtypes")  # what _encode_chunk reads
 
 
-def _init_worker(tokenizer, kind, path, options, skip_bad, dtypes):
+def _init_worker(*state):
     # a worker must die on SIGTERM, and leave Ctrl-C to the parent
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker.update(tokenizer=tokenizer, kind=kind, path=path, options=options, skip_bad=skip_bad, dtypes=dtypes)
+    _worker.update(zip(WORKER_STATE, state))
 
 
 def _encode_chunk(task):
@@ -277,6 +278,16 @@ def encode_chunks(path: str, tokenizer, kind: str, options: dict, skip_bad: bool
     """The workers' results for path's chunks, in file order. At most two chunks per process are in flight, so
     memory does not grow with the file, even when writing falls behind (Pool.imap would queue results)."""
     initargs = (tokenizer, kind, path, options, skip_bad, array_dtypes(kind, tokenizer))
+    # never more workers than chunks; one chunk is encoded here: each worker first imports the caller's script
+    # (torch with it), seconds on a fresh machine, which a small file must not wait for
+    processes = min(processes, -(-os.path.getsize(path) // chunk_bytes))
+    if processes <= 1:
+        _worker.update(zip(WORKER_STATE, initargs))
+        try:
+            yield from map(_encode_chunk, read_chunks(path, chunk_bytes))
+        finally:
+            _worker.clear()
+        return
     # leaving the block terminates the workers: they must die on SIGTERM (see _init_worker)
     with worker_context().Pool(processes, _init_worker, initargs) as pool:
         pending = deque()

@@ -236,10 +236,10 @@ def vm(field):  # bytes, from /proc/self/status
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 def workers_peak():  # the largest high-water mark of any child so far
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-# a one-line build first: its workers' peak is the workers' baseline (forked with the parent's RSS, torch included)
+# a two-line build first: its workers' peak is the workers' baseline (forked with the parent's RSS, torch included)
 with open(sys.argv[1] + ".tiny.jsonl", "w") as f:
-    f.write('{"text": "warm up"}\\n')
-token_cache.tokenize_file(sys.argv[1] + ".tiny.jsonl", tok, "pretrain", processes=2, verbose=False)
+    f.write('{"text": "warm up"}\\n{"text": "again"}\\n')  # two chunks of 8 bytes: a pool of two, as below
+token_cache.tokenize_file(sys.argv[1] + ".tiny.jsonl", tok, "pretrain", processes=2, chunk_bytes=8, verbose=False)
 workers_before = workers_peak()
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets this process's high-water mark (VmHWM) to its RSS now
@@ -282,6 +282,28 @@ def test_a_worker_dies_on_sigterm_whatever_handler_its_caller_has():
         assert worker.exitcode == -signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_workers_start_only_for_a_file_of_several_chunks_and_never_more_than_its_chunks(tok, tmp_path, pool,
+                                                                                        monkeypatch):
+    # each worker imports the caller's script (and torch) before its first chunk: seconds on a fresh GPU machine
+    # (its bench's 1 MB files took minutes), which a small file must not wait for
+    pools, real = [], token_cache.worker_context
+
+    class Counted:
+        def Pool(self, processes, *args):
+            pools.append(processes)
+            return real().Pool(processes, *args)
+
+    monkeypatch.setattr(token_cache, "worker_context", Counted)
+    path = write_corpus(tmp_path / "p.jsonl", 0.1, pool)
+    size, built = os.path.getsize(path), []
+    for chunk_bytes in (size, size // 2 + 1):  # one chunk, then two
+        built.append(as_lists(tokenize_file(path, tok, "pretrain", processes=8, chunk_bytes=chunk_bytes,
+                                            verbose=False)))
+        os.remove(f"{path}.pretrain.cache")
+    assert pools == [2]
+    assert built[0] == built[1]
 
 
 # --- a killed build -------------------------------------------------------------------------------
