@@ -87,6 +87,25 @@ def table(rows: list[dict], columns: dict) -> list[str]:
     return lines
 
 
+def shapes(result: dict | None) -> list[str]:
+    """gpu_shapes.py's figures: per SDPA backend, ms of a call whose shape is new, and of the same call again."""
+    if not result:
+        return ["(no figures: the step failed; see gpu.log)"]
+    cases = ("decode_gqa", "decode_repeated", "train_causal")
+    out = [f"{result['torch']}, CUDA_MODULE_LOADING={result['CUDA_MODULE_LOADING']}, cuDNN attention enabled: "
+           f"{result['cudnn_sdp_enabled']}; median of {result['new_shapes']} new shapes, ms (first / again)", "",
+           "| backend | " + " | ".join(cases) + " |", "|---|" + "---|" * len(cases)]
+    for backend in ("default", "flash", "efficient", "cudnn", "math"):
+        cells = [result.get(f"{case}_{backend}", {}) for case in cases]
+        out.append(f"| {backend} | " + " | ".join(f"{c['first_ms']} / {c['again_ms']}" if "first_ms" in c
+                                                    else c.get("error", "")[:60] for c in cells) + " |")
+    m = result["matmul"]
+    out += ["", f"matmul (new row count): {m['first_ms']} / {m['again_ms']} ms", ""]
+    out += [f"- default kernels, {case}: {', '.join(result.get(f'default_kernels_{case}', []))}"
+            for case in ("decode_gqa", "train_causal")]
+    return out
+
+
 def markdown(report: dict) -> str:
     machine = next((b["machine"] for b in report["bench"].values() if b), {})
     peaks = {k: v for b in report["bench"].values() if b for k, v in b.get("peak_flops", {}).items()}
@@ -106,6 +125,7 @@ def markdown(report: dict) -> str:
                 f"{report['tests_summary'] or 'see gpu.log'}", ""]
     titles = {"train": "Pretraining, 26m, bfloat16, compile on and off", "sft": "SFT, 26m, bfloat16: padded, packed, packed and compiled",
               "generate": "Generation, 26m, bfloat16 (greedy, batch 1 and 8)", "serve": "serve.py, 26m: 1 stream, then 8"}
+    out += ["### New shapes (.ci/gpu_shapes.py)", "", *shapes(report["shapes"]), ""]
     for name in BENCH:
         bench = report["bench"].get(name)
         out += [f"### {titles[name]}", ""]
@@ -120,7 +140,7 @@ def main(work: str, out_dir: str):
               "tests": read_tests(os.path.join(out_dir, "devices.xml")),
               "tests_summary": read_text(os.path.join(work, "devices.out")),
               "torch": read_text(os.path.join(work, "torch.txt")),
-              "bench": {name: read_bench(work, name) for name in BENCH}}
+              "shapes": read_bench(work, "shapes"), "bench": {name: read_bench(work, name) for name in BENCH}}
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
     text = markdown(report)

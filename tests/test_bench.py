@@ -2,6 +2,7 @@
 padded) runs the real code and ends with a JSON row, MFU against the best peak sampled around each variant; --help,
 and a user's mistake as one error line."""
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -297,3 +298,18 @@ def test_pack_mode_runs_padded_and_packed_sft_in_turns_on_one_file(capsys):
     assert packed["pad_frac"] < padded["pad_frac"] and packed["real_tokens_per_step"] > padded["real_tokens_per_step"]
     assert padded["vs_padded"] == 1.0 and packed["vs_padded"] == packed["vs_padded_min"] == pytest.approx(
         packed["real_tokens_per_s_median"] / padded["real_tokens_per_s_median"])
+
+
+def test_the_gpu_check_runs_every_step_at_toy_sizes_and_reports_each(tmp_path):
+    # the GPU check is run only when a GPU is lent (minutes, rarely): its steps must not first fail there
+    env = {k: v for k, v in os.environ.items() if k != "GPU_BUDGET_S"}
+    done = subprocess.run(["bash", ".ci/gpu", str(tmp_path)], cwd=REPO, env={**env, "GPU_DRY_RUN": "1"},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [(s["step"], s["rc"]) for s in report["steps"]] == [
+        (name, "0") for name in ("devices", "shapes", "train", "sft", "generate", "serve")]
+    assert report["tests"]["passed"] > 0 and not report["tests"]["failed"]
+    assert report["shapes"]["decode_gqa_default"]["first_ms"] > 0
+    assert [len(report["bench"][name]["rows"]) for name in ("train", "sft", "generate", "serve")] == [2, 2, 2, 1]
+    assert "(no figures" not in (tmp_path / "report.md").read_text()
