@@ -19,120 +19,26 @@ gets their results (tools.py runs them) and the next turn reads them. The reward
 answer: against "answer" or MiniMind's "gt" list) and the calls (reward=calls: well formed, fitting the tools
 offered); the tool results are in the rows but carry no loss.
 """
-import dataclasses
-from contextlib import nullcontext
-from functools import partial
-
 import torch
 
-import lora
-from checkpoint import EarlyStopping, checkpoint_to_resume, finetune_model, frozen_model, prepare_training
-from config import GRPOConfig, load_config
-from data import Prompt, prompt_loaders
-from errors import ConfigError, cli
-from grpo import (Rewarder, agent_rollout, completion_batch, completion_texts, group_advantages, policy_loss,
-                  prompt_seed, rollout, token_logprobs)
-from losses import evaluate
+from checkpoint import EarlyStopping, prepare_training
+from config import GRPOConfig
+from errors import cli
+from grpo import group_advantages, policy_loss, prepare_rl, roll_out, token_logprobs, validation_reward
 from metrics import experts_row
 from model import aux_loss
-from optim import get_lr, schedule_length, set_lr
-from reward_model import load_reward_model
-from rewards import answer_reward, load_rewards, reference
-from runtime import all_reduce_sum, print0, print_run, setup, teardown
-from tokenizer import load_tokenizer
-from tools import load_toolbox
+from optim import get_lr, set_lr
+from runtime import all_reduce_sum, print0, teardown
 
 PHASES = ("rollout", "reward", "forward", "backward", "optimizer")
 # summed over ranks; stop_votes: the ranks that got Ctrl-C / SIGTERM
 STATS = ["completions", "reward_sum", "reward_sq_sum", "tokens", "groups", "zero_adv_groups", "stop_votes"]
 
 
-@dataclasses.dataclass
-class Rollouts:
-    """One micro-batch of a step: its prompts' completions as training rows, with what the loss needs."""
-    prompts: list[Prompt]  # the prompt of each completion (group by group)
-    texts: list[str]  # each completion (with tools: its last turn)
-    conversations: list[list[dict]]  # what each text answers (with tools: the earlier turns, calls and results too)
-    X: torch.Tensor
-    Y: torch.Tensor
-    mask: torch.Tensor  # 1 on the tokens the policy wrote
-    rewards: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None
-    old_logp: torch.Tensor | None = None  # the rollout policy's log-probs (ppo_epochs > 1)
-    ref_logp: torch.Tensor | None = None  # the reference's (beta > 0)
-
-
-def roll_out(raw_model, prompts: list[Prompt], indices: list[int], step: int, cfg, tokenizer, run, toolbox=None,
-             greedy: bool = False) -> Rollouts:
-    """group_size sampled completions of each prompt, each prompt's seeded by (seed, step, its index); greedy: one
-    greedy completion each. With a toolbox, each completion is a conversation of up to max_turns turns."""
-    seeds = None if greedy else [prompt_seed(cfg.seed, step, i) for i in indices]
-    group = 1 if greedy else cfg.group_size
-    repeated = [p for p in prompts for _ in range(group)]
-    with run.autocast():
-        if toolbox is None:
-            rows = rollout(raw_model, [p.ids for p in prompts], seeds, group, cfg.max_new_tokens, tokenizer.eos_id,
-                           cfg.temperature, cfg.top_p)
-            X, Y, mask = completion_batch([r.prompt for r in rows], [r.tokens for r in rows], tokenizer.eos_id,
-                                          tokenizer.pad_id, run.device)
-            return Rollouts(repeated, completion_texts(tokenizer, rows), [p.messages for p in repeated], X, Y, mask)
-        turns = agent_rollout(raw_model, tokenizer, prompts, seeds, group, cfg.max_new_tokens, cfg.max_turns, toolbox,
-                              cfg.temperature, cfg.top_p)
-    X, Y, mask = completion_batch([t.prompt for t in turns], [t.ids for t in turns], tokenizer.eos_id,
-                                  tokenizer.pad_id, run.device, [t.generated for t in turns])
-    return Rollouts(repeated, [t.text for t in turns], [t.messages for t in turns], X, Y, mask)
-
-
-def make_reference(cfg, model):
-    """A context that gives the KL's reference model: None for beta 0 (none is loaded); with LoRA the policy
-    itself with its adapters off; else a frozen copy of init_from."""
-    if not cfg.beta:
-        return None
-    if cfg.lora_rank:
-        return partial(lora.adapters_off, model)
-    frozen = frozen_model(cfg.init_from, next(model.parameters()).device, cfg.flash)
-    return partial(nullcontext, frozen)
-
-
-@torch.no_grad()
-def validation_reward(raw_model, val_loader, rewarder: Rewarder, cfg, tokenizer, run, toolbox=None) -> dict[str, float]:
-    """val_reward: the mean reward of greedy completions of the held-out prompts (the first eval_steps batches of
-    every rank); val_pass1, with reward=answer: the fraction whose final answer is the reference."""
-    def batch_sums(indices):
-        b = roll_out(raw_model, [val_loader.dataset[i] for i in indices], indices, 0, cfg, tokenizer, run, toolbox,
-                     greedy=True)
-        sums = {"reward": sum(rewarder(b.prompts, b.texts, b.conversations)), "prompts": len(b.prompts)}
-        if "answer" in rewarder.functions:
-            sums["pass"] = sum(answer_reward(t, reference(p.record)) == 1.0 for p, t in zip(b.prompts, b.texts))
-        return {k: torch.tensor(float(v)) for k, v in sums.items()}
-
-    totals = evaluate(batch_sums, val_loader.batches(cfg.eval_steps), run)
-    n = totals.pop("prompts")
-    return {"val_reward": totals["reward"] / n} | ({"val_pass1": totals["pass"] / n} if "pass" in totals else {})
-
-
 def main(argv: list[str]):
-    (cfg,) = load_config(argv, GRPOConfig)
-    run = setup(cfg.device, cfg.dtype, cfg.seed)
-    model = finetune_model(cfg, run)
-    model_cfg = model.config
-    cfg = cfg.fit_lengths(model_cfg.max_seq_len)
-    print_run(cfg, model_cfg, run)
-    resume_from = checkpoint_to_resume(cfg)
-    tokenizer = load_tokenizer(cfg.tokenizer_path)
-    functions = load_rewards(cfg.reward)
-    if not functions and not cfg.reward_model:
-        raise ConfigError("reward=none scores with a reward model alone: pass reward_model=RM.pt")
-    # the reward model brings its own tokenizer: it may differ from the policy's
-    reward_model, reward_tokenizer = load_reward_model(cfg.reward_model, run.device) if cfg.reward_model else (None, None)
-    rewarder = Rewarder(functions, reward_model, reward_tokenizer)
-    toolbox = load_toolbox(cfg.tools) if cfg.tools else None
-    if toolbox is not None and tokenizer.chat_template != "chatml":
-        raise ConfigError("config key 'tools': this tokenizer's [INST] chat template cannot show tools; tools need "
-                          "MiniMind's ChatML one")
-    loader, val_loader = prompt_loaders(cfg, tokenizer, run, need_reference="answer" in functions)
-    max_steps, warmup_steps, steps_per_epoch = schedule_length(cfg, loader, val_loader, run)
-    reference_model = make_reference(cfg, model)
+    rl = prepare_rl(argv, GRPOConfig)  # the policy, its rewards, prompts, schedule and reference
+    cfg, run, model, tokenizer, rewarder, toolbox, loader, val_loader, schedule, reference_model, resume_from = rl
+    max_steps, warmup_steps, steps_per_epoch = schedule
 
     early = EarlyStopping(cfg.early_stopping_patience, cfg.early_stopping_threshold, "val_reward", maximize=True)
     training = prepare_training(cfg, "grpo", run, model, loader, early, resume_from, max_steps, PHASES)

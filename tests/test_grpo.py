@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import grpo
 import train_grpo
 from chat import encode_chat
 from conftest import REPO, TINY_RUN, greedy_alone, on_device, read_metrics, run_script, tiny, write_jsonl
@@ -222,7 +223,7 @@ def test_a_run_logs_its_rewards_and_evaluates_the_starting_model(demo_dir, tiny_
 
 
 def test_lora_policy_is_its_own_reference_with_the_adapters_off(demo_dir, tiny_sft, tmp_path, monkeypatch):
-    monkeypatch.setattr(train_grpo, "frozen_model", None)  # a separate reference model would fail to load
+    monkeypatch.setattr(grpo, "frozen_model", None)  # a separate reference model would fail to load
     out = tmp_path / "lora"
     train_grpo.main(grpo_args(demo_dir, tiny_sft, out, "--batch_size=4", "--max_steps=2", "--beta=0.1",
                               "--lora_rank=4", "--lora_alpha=8", "--lr=1e-2"))
