@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from errors import CheckpointError, ConfigError, NonFiniteError, TokenizerError
 from fileio import atomic_write
-from lora import adapter_state, add_lora, lora_layers, merge_lora, trainable_params
+from lora import add_lora, lora_layers, merge_lora, trainable_params
 from metrics import MetricsLog, StepTimer, start_profiler
 from model import ModelConfig, Transformer
 from optim import NonFiniteGuard, configure_optimizer
@@ -87,16 +87,18 @@ class Training(NamedTuple):
 
 
 def prepare_training(cfg, stage: str, run: Run, model, loader, early, resume_from: str | None, max_steps: int,
-                     phases: tuple = StepTimer.PHASES) -> Training:
+                     phases: tuple = StepTimer.PHASES, extra_parts: dict | None = None) -> Training:
     """What a built model's training loop works with, resumed from resume_from (None: a fresh run). stage: the
-    run's kind, recorded for sample.py; phases: the parts the timer splits a step into."""
+    run's kind, recorded for sample.py; phases: the parts the timer splits a step into; extra_parts: more that a
+    checkpoint saves and resumes, by name (train_ppo.py's critic, its optimizer and guard)."""
     seed_rank(cfg.seed, run)  # each rank a random stream of its own (dropout): the model was built alike on all
     optimizer = configure_optimizer(model, cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), run.device.type,
                                     cfg.optimizer, cfg.muon_lr, cfg.muon_momentum)
     scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == "float16")
     guard = NonFiniteGuard(model, cfg.max_bad_steps, run.device)
     lora = lora_record(cfg) if lora_layers(model) else None
-    checkpoints = Checkpoints(cfg, model.config, stage, run, model, optimizer, scaler, loader, guard, early, lora)
+    checkpoints = Checkpoints(cfg, model.config, stage, run, model, optimizer, scaler, loader, guard, early, lora,
+                              extra_parts)
     step = checkpoints.resume(resume_from)
     wrapped = wrap(model, cfg, run)
     log, stop, profiler = MetricsLog(cfg, run, step, max_steps), StopSignal(run), start_profiler(cfg, run)
@@ -106,17 +108,18 @@ def prepare_training(cfg, stage: str, run: Run, model, loader, early, resume_fro
 
 class Checkpoints:
     """Everything a resume needs, in out_dir: full-precision weights, optimizer, GradScaler, data position, every
-    rank's RNG states, the configs and the loop's own state (step, guard, early stopping). A LoRA run (lora: its
-    lora_record) saves only the adapters and the record: a few MB."""
+    rank's RNG states, the configs and the loop's own state (step, guard, early stopping), and any extra parts
+    (each with state_dict and load_state_dict). A LoRA run (lora: its lora_record) saves only the trainable tensors
+    of its models -- the adapters, and a critic's head -- and the record: a few MB."""
 
     def __init__(self, cfg, model_cfg, stage: str, run: Run, model, optimizer, scaler, loader, guard, early,
-                 lora: dict | None = None):
+                 lora: dict | None = None, extra_parts: dict | None = None):
         self.cfg, self.model_cfg, self.stage, self.run, self.lora = cfg, model_cfg, stage, run, lora
         tokenizer = load_tokenizer(cfg.tokenizer_path)  # recorded: sampling, serving and export use the same
         self.tokenizer = {"path": cfg.tokenizer_path, "fingerprint": tokenizer.fingerprint,
                           "chat_template": tokenizer.chat_template}
         self.parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "loader": loader, "guard": guard,
-                      "early_stopping": early}
+                      "early_stopping": early} | (extra_parts or {})
 
     def save(self, name: str, step: int):
         """Write out_dir/name atomically (every rank must call this: RNG states are gathered; rank 0 writes);
@@ -125,7 +128,8 @@ class Checkpoints:
         state |= {"step": step, "stage": self.stage, "config": dataclasses.asdict(self.cfg), "tokenizer": self.tokenizer,
                   "model_config": dataclasses.asdict(self.model_cfg), "rng": gather_rng_states(self.run)}
         if self.lora:
-            state |= {"model": adapter_state(self.parts["model"]), "lora": self.lora}
+            state |= {key: trainable_state(part) for key, part in self.parts.items() if isinstance(part, torch.nn.Module)}
+            state["lora"] = self.lora
         if self.run.ddp:  # DDP keeps replicas identical; prove it rather than checkpoint one of many
             state["rank_weight_diff"] = rank_weight_diff(self.parts["model"], self.run)
             if state["rank_weight_diff"] > 0:
@@ -156,9 +160,10 @@ class Checkpoints:
         if trained_with != self.cfg.optimizer:
             raise CheckpointError(f"{path} was trained with optimizer {trained_with}, this run asks for "
                                   f"{self.cfg.optimizer}: keep its optimizer to resume")
-        load_model_state(self.parts["model"], state["model"], path, adapters_only=bool(self.lora))
         for key, part in self.parts.items():
-            if key != "model":
+            if isinstance(part, torch.nn.Module):  # the model, a critic
+                load_model_state(part, state[key], path, adapters_only=bool(self.lora))
+            else:
                 part.load_state_dict(state[key])
         set_rng_state(state["rng"][self.run.rank])
         print0(f"resumed from {path} at step {state['step']}")
@@ -288,9 +293,9 @@ def load_checkpoint(path: str, mmap: bool = False) -> dict:
 
 
 def load_model_state(model, state_dict: dict, source: str, adapters_only: bool = False):
-    """Every weight of the model (adapters_only: every LoRA adapter) from state_dict, strictly: an error lists
-    every missing, unexpected or reshaped key."""
-    own = adapter_state(model) if adapters_only else model.state_dict()
+    """Every weight of the model (adapters_only: every trainable one of a LoRA model, its adapters and any head)
+    from state_dict, strictly: an error lists every missing, unexpected or reshaped key."""
+    own = trainable_state(model) if adapters_only else model.state_dict()
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     reshaped = [f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}"
@@ -301,6 +306,13 @@ def load_model_state(model, state_dict: dict, source: str, adapters_only: bool =
     with torch.no_grad():
         for k, v in state_dict.items():
             own[k].copy_(v)  # state_dict() tensors share the parameters' storage
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """The tensors of model.state_dict() (they share its storage) that train: of a LoRA model its adapters (what
+    lora.adapter_state holds: add_lora froze the rest), of a LoRA critic its adapters and head."""
+    names = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model.state_dict().items() if k in names}
 
 
 def model_from_checkpoint(path: str, device="cpu", yarn: float | None = None, **overrides):

@@ -5,7 +5,7 @@ from, a value out of its range (RANGES) one that names the key, the range and th
 with its default and its comment.
 
   TrainConfig      the keys every stage has; PretrainConfig and DistillConfig add theirs
-  FinetuneConfig   SFT, DPO and RL: start from a checkpoint (init_from); SFTConfig, DPOConfig, GRPOConfig
+  FinetuneConfig   SFT, DPO and RL: start from a checkpoint (init_from); SFTConfig, DPOConfig, GRPOConfig, PPOConfig
   RANGES           each key's valid values, checked when a config is built (model.MODEL_RANGES: the model's)
   load_config      argv -> one instance of each dataclass asked for (a script's and model.ModelConfig)
   words            a field that takes a script's bare words (plot.py's runs, convert.py's command and paths)
@@ -270,6 +270,32 @@ class GRPOConfig(FinetuneConfig):
 
 
 @dataclasses.dataclass
+class PPOConfig(GRPOConfig):
+    """PPO with a critic (train_ppo.py): GRPO's rollouts, rewards, tools and clipped loss; each token's advantage
+    from a value model (GAE) instead of the group's mean."""
+    # --- I/O
+    out_dir: str = "out/ppo"
+    # --- rollouts: each prompt's group of completions, sampled together
+    group_size: int = 1  # completions per prompt: the critic is the baseline, so one will do (MiniMind's PPO)
+    # --- the loss (grpo.py)
+    loss_type: str = "grpo"  # grpo: PPO's clipped surrogate, on each token's advantage | cispo
+    beta: float = 0.02  # KL penalty in the reward: beta x (log p_rollout - log p_ref) per token (MiniMind's kl_coef); 0: no reference
+    ppo_epochs: int = 2  # optimizer steps on each batch of rollouts (MiniMind's ppo_update_iters); 1: nothing to clip
+    # --- the critic (ppo.py): a copy of init_from with a scalar head, on the clipped value loss
+    gamma: float = 1.0  # GAE's discount per token: 1, the reward comes once, at the end (MiniMind's)
+    gae_lambda: float = 0.95  # GAE's lambda: 1 = the plain return less the value (unbiased, noisy); 0 = one-step TD
+    value_clip: float = 0.2  # a value may move at most this far from the rollout's in one batch (MiniMind's cliprange_value)
+    critic_lr: float = 1e-5  # the critic's peak lr, on the policy's warmup and cosine
+    critic_min_lr: float = 1e-6
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.critic_min_lr > self.critic_lr:  # the cosine would climb
+            raise ConfigError(f"config key 'critic_min_lr' must be at most critic_lr ({self.critic_lr!r}), got "
+                              f"{self.critic_min_lr!r}")
+
+
+@dataclasses.dataclass
 class DistillConfig(TrainConfig):
     # --- I/O
     out_dir: str = "out/distill"
@@ -336,6 +362,11 @@ RANGES = {
         "loss_type": (lambda v: v in ("grpo", "cispo"), "grpo or cispo"),
         "clip_eps": (lambda v: 0 < v < 1, "in (0, 1)"), "clip_high": (lambda v: v >= 1, "at least 1"),
         "beta": zero_means("no KL, no reference"), "ppo_epochs": AT_LEAST_1,
+    },
+    PPOConfig: {
+        "group_size": AT_LEAST_1,  # one completion per prompt: the critic, not a group, gives the baseline
+        "gamma": (lambda v: 0 < v <= 1, "in (0, 1]"), "gae_lambda": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+        "value_clip": ABOVE_0, "critic_lr": ABOVE_0, "critic_min_lr": NOT_NEGATIVE,
     },
     DistillConfig: {
         "data_kind": (lambda v: v in ("pretrain", "sft"), "pretrain or sft"),

@@ -154,6 +154,8 @@ def console_line(row: dict, max_steps: int) -> str:
         parts.append(f"acc {row.get('reward_acc', row.get('pair_acc')):.0%} margin {row['reward_margin']:.3g}")
     if "reward_mean" in row:  # RL's
         parts.append(f"reward {row['reward_mean']:.3g} ± {row['reward_std']:.2g} len {row['completion_len']:.3g}")
+    if "value_loss" in row:  # PPO's critic: its loss, and how much of the returns' variance it explains
+        parts.append(f"value loss {row['value_loss']:.3g} expl var {row['explained_var']:.2f}")
     tokens = row["tokens_per_s"]
     parts += [f"{tokens / 1e3:.1f}k tok/s" if tokens >= 1e3 else f"{tokens:.0f} tok/s", f"MFU {row['mfu']:.0%}"]
     if row.get("pad_frac", 0) >= 0.005:  # fine-tuning's padded batches: how much of that speed is padding

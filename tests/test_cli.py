@@ -20,7 +20,8 @@ SCRIPTS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "*.py
 
 
 def test_the_scripts_are_found():
-    assert {"train_pretrain.py", "sample.py", "serve.py", "convert.py", "plot.py", "prepare_demo.py"} <= set(SCRIPTS)
+    assert {"train_pretrain.py", "train_grpo.py", "train_ppo.py", "sample.py", "serve.py", "convert.py", "plot.py",
+            "prepare_demo.py"} <= set(SCRIPTS)
 
 
 @pytest.mark.parametrize("script", SCRIPTS + ["vocab/nanomind/make_corpus.py"])

@@ -12,8 +12,8 @@ import typing
 import pytest
 import torch
 
-from config import (DistillConfig, DPOConfig, GRPOConfig, PretrainConfig, RewardConfig, SFTConfig, load_config,
-                    parse_flag_value)
+from config import (DistillConfig, DPOConfig, GRPOConfig, PPOConfig, PretrainConfig, RewardConfig, SFTConfig,
+                    load_config, parse_flag_value)
 from conftest import REPO, run_script
 from errors import ConfigError
 from model import ModelConfig
@@ -25,6 +25,7 @@ SCHEMAS = {
     "train_dpo.py": (DPOConfig,),
     "train_reward.py": (RewardConfig,),
     "train_grpo.py": (GRPOConfig,),
+    "train_ppo.py": (PPOConfig,),
     "train_distill.py": (DistillConfig, ModelConfig),
 }
 
@@ -52,9 +53,12 @@ BAD = {
     # DPOConfig, RewardConfig, GRPOConfig
     "max_prompt_length": [0, -1], "max_completion_length": [0, -3],
     "beta": [-0.1, -1],
-    # GRPOConfig
-    "group_size": [1, 0], "temperature": [0, -1], "top_p": [0, -0.5, 1.5], "max_new_tokens": [0, -1],
+    # GRPOConfig (group_size 1: GRPO's alone, in BAD_TOGETHER; PPO's critic needs no group)
+    "group_size": [0, -1], "temperature": [0, -1], "top_p": [0, -0.5, 1.5], "max_new_tokens": [0, -1],
     "max_turns": [0], "clip_eps": [0, 1, -0.2], "clip_high": [0.5, 0, -1], "ppo_epochs": [0],
+    # PPOConfig
+    "gamma": [0, 1.5, -0.5], "gae_lambda": [-0.1, 1.5], "value_clip": [0, -0.2], "critic_lr": [0, -1e-3],
+    "critic_min_lr": [-1e-6],
     # DistillConfig (temperature above)
     "alpha": [-0.1, 1.5],
     # ModelConfig
@@ -75,6 +79,8 @@ BAD_TOGETHER = [
     ("train_pretrain.py", ["--lr=1e-4", "--min_lr=2e-4"], "min_lr"),
     ("train_sft.py", ["--min_lr=1e-4"], "min_lr"),
     ("train_grpo.py", ["--lr=1e-3", "--min_lr=0.5"], "min_lr"),
+    ("train_grpo.py", ["--group_size=1"], "group_size"),  # a group of one has no advantage
+    ("train_ppo.py", ["--critic_lr=1e-3", "--critic_min_lr=1e-2"], "critic_min_lr"),  # the cosine would climb
     ("train_pretrain.py", ["--optimizer=muon", "--lr=0"], "lr"),  # Muon scales its lr by muon_lr / lr
     ("train_pretrain.py", ["--optimizer=muon", "--muon_lr=0"], "muon_lr"),
     ("train_pretrain.py", ["--optimizer=muon", "--muon_momentum=1"], "muon_momentum"),
@@ -109,6 +115,9 @@ EDGES = [
     ("train_grpo.py", ["--beta=0", "--top_p=1", "--clip_high=1", "--group_size=2", "--max_new_tokens=1",
                        "--max_turns=1", "--ppo_epochs=1", "--clip_eps=0.999", "--temperature=1e-3",
                        "--max_prompt_length=1"]),
+    ("train_ppo.py", ["--group_size=1", "--beta=0", "--ppo_epochs=1", "--gamma=1", "--gae_lambda=0", "--value_clip=1e-3",
+                      "--critic_lr=1e-9", "--critic_min_lr=0"]),
+    ("train_ppo.py", ["--gae_lambda=1", "--critic_lr=1e-3", "--critic_min_lr=1e-3", "--gamma=1e-3"]),
     ("train_distill.py", ["--alpha=0", "--temperature=1e-3", "--rope_factor=1"]),
     ("train_distill.py", ["--alpha=1"]),
 ]
@@ -205,6 +214,7 @@ CONFIG_SCRIPTS = {
     "sft_26m.py": "train_sft.py", "demo_sft.py": "train_sft.py", "demo_sft_lora.py": "train_sft.py",
     "demo_tools_sft.py": "train_sft.py", "dpo_26m.py": "train_dpo.py", "demo_dpo.py": "train_dpo.py",
     "demo_reward.py": "train_reward.py", "demo_grpo.py": "train_grpo.py", "demo_tools_grpo.py": "train_grpo.py",
+    "demo_ppo.py": "train_ppo.py",
     "demo_distill.py": "train_distill.py",
 }
 
