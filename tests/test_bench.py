@@ -137,8 +137,9 @@ def test_data_mode_tokenises_a_file_and_times_the_loader(capsys):
     result = bench.main(["--mode=data", *TINY, "--batch_size=2", "--data_mb=0.05"])
     (row,) = last_json(capsys)["rows"]
     assert row["file_mb"] >= 0.05 and row["tokenise_mb_per_s_1proc"] > 0 and row["tokenise_mb_per_s_2proc"] > 0
-    # each tokenisation ran in a process tree of its own: Python and torch (> 0.1 GB), and little for 0.05 MB
-    assert all(0.1 < row[f"tokenise_peak_gb_{n}proc"] < 2.0 for n in (1, 2))
+    # each tokenisation ran in a process tree of its own: with 1 process that one alone (Python, numpy, the
+    # tokenizer: tens of MB), with 2 it and its workers, each of which imports the caller first (more)
+    assert 0.02 < row["tokenise_peak_gb_1proc"] < row["tokenise_peak_gb_2proc"] < 2.0
     assert row["loader_tokens_per_s"] == pytest.approx(row["loader_batches_per_s"] * 2 * 32)
     assert result["rows"][0] == row
 
