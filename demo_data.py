@@ -11,6 +11,7 @@ measures whether SFT taught the model to answer in the chat template with what p
 It is synthetic: real training uses MiniMind-format files (see README).
 """
 import json
+import re
 
 # (English name, Chinese name, capital, Chinese capital, continent index into CONTINENTS)
 COUNTRIES = [
@@ -281,6 +282,15 @@ def double_prompts(numbers) -> list[dict]:
     """Every doubling question about the numbers, as RL prompts: {"conversations": [user], "answer": 2a}."""
     return [{"conversations": [{"role": "user", "content": q.format(a=a)}], "answer": str(2 * a)}
             for a in numbers for q in DOUBLE_Q]
+
+
+def doubled_operands(messages, completion: str, record: dict) -> float:
+    """The doubling demo's second reward (configs/demo_grpo.py's `reward`): 0.5 when the completion adds the asked
+    number to itself ("7 + 7", "7加7"), whatever it says the sum is. The answer reward alone pays only for the
+    right double, and a held-out number is never asked in training: adding the number to itself is the step that
+    carries over to it, the sum being one pretraining knows."""
+    a = int(record["answer"]) // 2
+    return 0.5 if re.search(rf"(?<!\d){a}\s*(?:\+|加)\s*{a}(?!\d)", completion) else 0.0
 
 
 def write_jsonl(path, records):

@@ -1,6 +1,7 @@
-# PPO with a critic of the demo SFT model (configs/demo_sft.py) on configs/demo_grpo.py's doubling task: the same
-# prompts, reward, rollouts per step (16 prompts x 8 completions), lr and length as GRPO, so that the two compare on
-# one thing, where the baseline comes from: GRPO's group mean or PPO's value model.
+# PPO with a critic of the demo SFT model (configs/demo_sft.py) on configs/demo_grpo.py's doubling task: its prompts
+# and answer reward on a lighter schedule (16 prompts x 8 completions per step, one update, 60 steps). GRPO with the
+# same settings (train_grpo.py configs/demo_grpo.py --reward=answer --batch_size=16 --ppo_epochs=1 --max_steps=60)
+# is what it compares with, on one thing: where the baseline comes from, the group's mean or the value model.
 out_dir = "out/demo/ppo"
 init_from = "out/demo/sft/best.pt"
 data_path = "data/demo/grpo.jsonl"

@@ -2,7 +2,7 @@
 value; any other against the whole answer, ignoring case, space and end punctuation."""
 import pytest
 
-from rewards import answer_reward, final_answer
+from rewards import answer_reward, final_answer, load_rewards
 
 
 def test_the_final_answer_is_what_follows_the_last_think_block():
@@ -28,3 +28,14 @@ def test_the_final_answer_is_what_follows_the_last_think_block():
 ])
 def test_answer_reward(completion, reference, reward):
     assert answer_reward(completion, reference) == reward
+
+
+@pytest.mark.parametrize("completion, reward", [
+    (" 7 + 7 = 15. ", 0.5),  # the number added to itself, whatever the sum
+    ("7加7等于14。", 0.5), ("7+7=14", 0.5),
+    (" 7 + 6 = 13.", 0.0), ("17 + 7 = 24.", 0.0), ("7 + 77", 0.0),  # another number, or one that only contains 7
+    ("14", 0.0),  # the right double without the sum: the answer reward's alone
+])
+def test_the_doubling_demos_second_reward_pays_for_adding_the_number_to_itself(completion, reward):
+    fn = load_rewards("answer,demo_data:doubled_operands")["demo_data:doubled_operands"]
+    assert fn([{"role": "user", "content": "What is double 7?"}], completion, {"answer": "14"}) == reward
