@@ -278,8 +278,9 @@ def encode_chunks(path: str, tokenizer, kind: str, options: dict, skip_bad: bool
     """The workers' results for path's chunks, in file order. At most two chunks per process are in flight, so
     memory does not grow with the file, even when writing falls behind (Pool.imap would queue results)."""
     initargs = (tokenizer, kind, path, options, skip_bad, array_dtypes(kind, tokenizer))
-    # never more workers than chunks; one chunk is encoded here: each worker first imports the caller's script
-    # (torch with it), seconds on a fresh machine, which a small file must not wait for
+    # never more workers than chunks, and with one (a file of one chunk, or processes=1) no pool at all: each
+    # worker first imports the caller's script (torch with it), seconds on a fresh machine, which a small file
+    # must not wait for
     processes = min(processes, -(-os.path.getsize(path) // chunk_bytes))
     if processes <= 1:
         _worker.update(zip(WORKER_STATE, initargs))
