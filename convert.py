@@ -7,6 +7,7 @@ Move weights between nanomind and the Hugging Face world.
     python convert.py import MiniMind2-Small/ out/minimind2.pt                              # a transformers folder
     python convert.py export out/sft/best.pt hf/ [--dtype=bfloat16] [--force]
     python convert.py export out/sft/best.pt model.gguf [--dtype=float16]                  # llama.cpp, Ollama
+    python convert.py export out/sft/best.pt model.gguf --dtype=q4_k       # quantized: q8_0 | q4_0 | q4_k (Q4_K_M)
     python convert.py merge out/sft_lora/best.pt out/sft_merged.pt                        # LoRA folded into its base
 
 import reads a MiniMind *.pth state dict (MiniMind2; minimind-3 adds q_norm / k_norm; its MoE a router and
@@ -24,7 +25,7 @@ config.json (LlamaForCausalLM, or Qwen3ForCausalLM with qk_norm; with experts Qw
 MixtralForCausalLM without qk_norm; YaRN in rope_parameters), model.safetensors, generation_config.json,
 tokenizer.json and tokenizer_config.json (with a chat template rendering what chat.encode_chat does). Plain text
 gets the bos nanomind's pretraining puts before every document. An OUT ending in .gguf is one GGUF file for
-llama.cpp instead (gguf_export.py).
+llama.cpp instead (gguf_export.py), which --dtype may also quantize as llama.cpp's quantizer does (gguf_quant.py).
 
 merge: a LoRA checkpoint holds only its adapters and the path and digest of the checkpoint they were trained on;
 the merged one is a full checkpoint (weights, configs, tokenizer, stage, step; no optimizer) that loads without
@@ -46,7 +47,7 @@ from checkpoint import (atomic_save, checkpoint_tokenizer, load_checkpoint, load
 from config import check_type, flag_setting, load_config, usage, words
 from errors import CheckpointError, ConfigError, check_ranges, cli
 from fileio import atomic_dir
-from gguf_export import architecture, export_gguf
+from gguf_export import QUANTIZED, architecture, export_gguf
 from hf_export import (config_from_hf, hf_architecture, hf_model_config, hf_weights, infer_config, per_expert,
                        to_nanomind, tokenizer_files)
 from model import ModelConfig, Transformer
@@ -135,6 +136,9 @@ def import_weights(src: Path, out: Path, tokenizer_dir: str | None, stage: str, 
 # export
 
 def export(ckpt: str, out_dir: Path, dtype: str, force: bool):
+    if dtype in QUANTIZED and out_dir.suffix != ".gguf":  # safetensors holds no ggml blocks
+        raise ConfigError(f"dtype: {dtype} is a GGUF type: name OUT *.gguf, or export the folder in float32, "
+                          "bfloat16 or float16")
     state = load_checkpoint(ckpt)
     if not isinstance(state, dict) or not {"model", "model_config", "config"} <= set(state):
         raise CheckpointError(f"{ckpt} is not a nanomind checkpoint (no model, model_config and config)")
@@ -187,14 +191,14 @@ class Config:
     tokenizer: str | None = None  # the tokenizer folder of the weights (MiniMind's model/); None: SRC's tokenizer.json
     stage: str = "sft"  # pretrain | sft | dpo: sft chats in sample.py; pretrain continues text
     # --- export
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: str = "float32"  # float32 | bfloat16 | float16; a .gguf also q8_0 | q4_0 | q4_k (llama.cpp's Q4_K_M)
     # --- import and export
     force: bool = False  # replace OUT if it exists (an exported folder: if it is not empty)
 
     def __post_init__(self):
         check_ranges(self, {"stage": (lambda v: v in ("pretrain", "sft", "dpo"), "pretrain, sft or dpo"),
-                            "dtype": (lambda v: v in ("float32", "bfloat16", "float16"),
-                                      "float32, bfloat16 or float16")})
+                            "dtype": (lambda v: v in ("float32", "bfloat16", "float16", *QUANTIZED),
+                                      "float32, bfloat16, float16, or for a .gguf q8_0, q4_0 or q4_k")})
 
 
 KEYS = {"import": ("tokenizer", "stage", "force"), "export": ("dtype", "force"), "merge": ()}  # import: + ModelConfig's

@@ -1,7 +1,7 @@
 """
 GGUF, the one-file format of llama.cpp (and of llama-cpp-python, Ollama and LM Studio, which run it), written by hand.
 
-    python convert.py export out/sft/best.pt model.gguf [--dtype=float16]
+    python convert.py export out/sft/best.pt model.gguf [--dtype=float16|bfloat16|q8_0|q4_0|q4_k]
 
 A GGUF v3 file, little-endian: the magic "GGUF", version 3, the number of tensors and of key-values (u64 each);
 the key-values (a string key, a u32 value type, the value); for each tensor its name, its dimensions (innermost
@@ -15,6 +15,16 @@ nanomind the two halves of each head (transformers' layout): the q and k rows of
 as llama.cpp's convert_hf_to_gguf.py does. `qwen3` and `qwen3moe` rotate halves, as nanomind does. A model llama.cpp
 would compute differently (a choice its graph hard-codes) is refused with the key that differs, rather than written.
 
+--dtype q8_0, q4_0 or q4_k is what llama.cpp's llama-quantize makes of the float32 file, tensor for tensor and byte
+for byte (its llama_tensor_get_type picks the types; gguf_quant.py writes the blocks). Norms and the MoE router stay
+float32. q8_0 (file type 7): Q8_0. q4_0 (2): Q4_0, the output matrix (token_embd when tied) Q6_K. q4_k, llama.cpp's
+Q4_K_M (15): Q4_K; the output matrix Q6_K; attn_v and ffn_down (an MoE's stacked experts too) Q6_K on the
+"use_more_bits" layers: the first and last eighth, and every third between. With 8 experts attn_k and attn_v are Q8_0
+(in q4_0 too) and attn_output Q5_K; an 80-layer llama with GQA (llama.cpp's "70B") has attn_v Q5_K where Q4_K. Rows
+that the block does not divide fall back as in llama.cpp: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0 (the output matrix
+straight to Q8_0), and rows not a multiple of 32 -> float16. The 26m config (dim 512, ffn_dim 1408) is thus Q4_K with
+ffn_down Q5_0, Q8_0 on the use_more_bits layers; a model of the demo's dim 128 fits no K block: Q5_0, Q8_0.
+
 The tokenizer goes in as llama.cpp's byte-level BPE (`gpt2`): tokens spelled in GPT-2's byte alphabet, their
 types, the merges, and the name of the split rule llama.cpp applies before BPE. llama.cpp implements a fixed list
 of rules; a tokenizer split by another (nanomind's own) is refused rather than written to tokenize differently.
@@ -24,12 +34,14 @@ import math
 import re
 import struct
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
+import numpy as np
 import torch
 
 from errors import ConfigError
 from fileio import atomic_write
+from gguf_quant import F16, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, block_size, quantize
 from model import ModelConfig
 from tokenizer import PATTERN
 
@@ -39,7 +51,11 @@ ALIGNMENT = 32  # llama.cpp's default: the tensor data and every tensor in it st
 U32, I32, F32, BOOL, STRING, ARRAY = 4, 5, 6, 7, 8, 9
 # ggml tensor types, and llama.cpp's file type naming the weights' precision (1-D tensors and routers stay float32)
 GGML_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
-FILE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 32}
+# llama_ftype: LLAMA_FTYPE_MOSTLY_Q8_0 7, _Q4_0 2, _Q4_K_M 15 (src/llama.h)
+FILE_TYPES = {"float32": 0, "float16": 1, "bfloat16": 32, "q8_0": 7, "q4_0": 2, "q4_k": 15}
+QUANTIZED = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_k": Q4_K}  # each mix's default type
+FALLBACK = {Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}  # llama.cpp's type for a row not a multiple of 256
+QUANTIZATION_VERSION = 2  # ggml's GGML_QNT_VERSION: the block layouts above
 # llama.cpp's token types
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 
@@ -90,20 +106,41 @@ def pack_value(kind: int, value) -> bytes:
     return struct.pack(SCALARS[kind], value)
 
 
-def write_gguf(f: BinaryIO, metadata: dict[str, tuple[int, object]], tensors: dict[str, torch.Tensor]):
+class Quantized(NamedTuple):
+    """A tensor as ggml blocks: its ggml type, its shape (torch's order) and its rows' bytes (gguf_quant.py)."""
+    ggml_type: int
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+def layout(t: torch.Tensor | Quantized) -> tuple[tuple[int, ...], int, int]:
+    """(shape, ggml type, size in bytes) of a tensor to write."""
+    if isinstance(t, Quantized):
+        return t.shape, t.ggml_type, t.data.nbytes
+    return tuple(t.shape), GGML_TYPES[t.dtype], t.numel() * t.element_size()
+
+
+def tensor_bytes(t: torch.Tensor | Quantized) -> bytes:
+    if isinstance(t, Quantized):
+        return t.data.tobytes()
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def write_gguf(f: BinaryIO, metadata: dict[str, tuple[int, object]], tensors: dict[str, torch.Tensor | Quantized]):
     """The GGUF file into f; metadata: key -> (value type, value), an ARRAY's value being (element type, items)."""
     infos, offset = [], 0
     for name, t in tensors.items():
-        dims = list(reversed(t.shape))  # innermost first
-        infos.append(pack_string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, GGML_TYPES[t.dtype], offset))
-        offset += -(-t.numel() * t.element_size() // ALIGNMENT) * ALIGNMENT
+        shape, ggml_type, size = layout(t)
+        dims = list(reversed(shape))  # innermost first
+        infos.append(pack_string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, ggml_type, offset))
+        offset += -(-size // ALIGNMENT) * ALIGNMENT
     header = struct.pack("<4sIQQ", b"GGUF", GGUF_VERSION, len(tensors), len(metadata))
     header += b"".join(pack_string(key) + struct.pack("<I", kind) + pack_value(kind, value)
                        for key, (kind, value) in metadata.items())
     header += b"".join(infos)
     f.write(header + b"\0" * (-len(header) % ALIGNMENT))
     for t in tensors.values():
-        data = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        data = tensor_bytes(t)
         f.write(data + b"\0" * (-len(data) % ALIGNMENT))
 
 
@@ -152,7 +189,49 @@ def stack_experts(state: dict[str, torch.Tensor], n_experts: int) -> dict[str, t
     return stacked
 
 
-def gguf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's layers that Q4_K_M gives Q6_K: the first and last eighth, and every third between."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def quant_type(name: str, width: int, cfg: ModelConfig, dtype: str) -> int:
+    """The ggml type llama.cpp's quantizer gives the weight `name` (llama.cpp's name; 2-D or 3-D, rows of width)
+    in the mix dtype: llama_tensor_get_type for these architectures, then its fallback for a width the block does
+    not divide."""
+    kind, layer = QUANTIZED[dtype], int(name.split(".")[1]) if name.startswith("blk.") else -1
+    k_mix = dtype == "q4_k"
+    if name == "output.weight" or (cfg.tie_embeddings and name == "token_embd.weight"):
+        kind = Q8_0 if width % block_size(kind) or kind == Q8_0 else Q6_K
+    elif ".attn_v." in name:
+        if k_mix and use_more_bits(layer, cfg.n_layers):
+            kind = Q6_K
+        elif (architecture(cfg) == "llama" and cfg.n_layers == 80 and cfg.n_heads != cfg.n_kv_heads
+              and cfg.n_experts != 8 and kind == Q4_K):  # llama.cpp's LLM_TYPE_70B
+            kind = Q5_K
+        kind = Q8_0 if cfg.n_experts == 8 else kind
+    elif ".attn_k." in name and cfg.n_experts == 8:
+        kind = Q8_0
+    elif ".ffn_down" in name and k_mix and use_more_bits(layer, cfg.n_layers):
+        kind = Q6_K
+    elif ".attn_output." in name and k_mix and cfg.n_experts == 8:
+        kind = Q5_K
+    if width % block_size(kind):
+        kind = FALLBACK.get(kind, F16)
+    return F16 if width % block_size(kind) else kind
+
+
+def stored(name: str, t: torch.Tensor, cfg: ModelConfig, dtype: str) -> torch.Tensor | Quantized:
+    """A weight matrix (or an MoE's stacked experts) as the file holds it: in dtype, or quantized in the mix."""
+    if dtype not in QUANTIZED:
+        return t.to(getattr(torch, dtype))
+    kind = quant_type(name, t.shape[-1], cfg, dtype)
+    if kind == F16:
+        return t.to(torch.float16)
+    return Quantized(kind, tuple(t.shape), quantize(t.detach().cpu().float().numpy(), kind))
+
+
+def gguf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, dtype: str) -> dict[str, torch.Tensor | Quantized]:
+    """dtype: float32, float16, bfloat16, or a quantized mix (q8_0, q4_0, q4_k)."""
     tensors = {}
     for name, t in stack_experts(state, cfg.n_experts).items():
         if name == "output.weight" and cfg.tie_embeddings:
@@ -161,13 +240,14 @@ def gguf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.
             t = halves_to_pairs(t, cfg.n_heads if name.endswith(".wq.weight") else cfg.n_kv_heads)
         # a rounded router could send a token to other experts; llama.cpp's converter keeps it float32 too
         full = t.dim() == 1 or name.endswith(".feed_forward.gate.weight")
-        tensors[gguf_name(name)] = t.to(torch.float32 if full else dtype)
+        tensors[gguf_name(name)] = t.to(torch.float32) if full else stored(gguf_name(name), t, cfg, dtype)
     return tensors
 
 
-def model_metadata(cfg: ModelConfig, dtype: torch.dtype, name: str) -> dict:
+def model_metadata(cfg: ModelConfig, dtype: str, name: str) -> dict:
     arch = architecture(cfg)
-    return {
+    quantized = {"general.quantization_version": (U32, QUANTIZATION_VERSION)} if dtype in QUANTIZED else {}
+    return quantized | {
         "general.architecture": (STRING, arch), "general.name": (STRING, name),
         "general.file_type": (U32, FILE_TYPES[dtype]), "general.alignment": (U32, ALIGNMENT),
         f"{arch}.vocab_size": (U32, cfg.vocab_size), f"{arch}.context_length": (U32, cfg.max_seq_len),
@@ -242,8 +322,8 @@ def tokenizer_metadata(tokenizer_json: dict, tokenizer_config: dict, tokenizer, 
 
 def export_gguf(state: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer, files: dict[str, dict], dtype: str,
                 out: Path, name: str, where: str):
-    """files: tokenizer.json and tokenizer_config.json as the Hugging Face export writes them."""
-    dtype = getattr(torch, dtype)
+    """files: tokenizer.json and tokenizer_config.json as the Hugging Face export writes them; dtype: a key of
+    FILE_TYPES."""
     refuse_what_llama_cpp_computes_differently(cfg)
     metadata = model_metadata(cfg, dtype, name) | tokenizer_metadata(
         files["tokenizer.json"], files["tokenizer_config.json"], tokenizer, cfg.vocab_size, where)
