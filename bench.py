@@ -15,6 +15,7 @@ on whole conversations packed into rows against rows padded to the batch's longe
     python bench.py configs/26m.py --mode=serve                    # serve.py: 1 client alone, then 8 at once
     python bench.py configs/moe_198m.py --mode=moe --max_seq_len=128 --batch_size=4  # MoE vs dense, in turns
     python bench.py configs/26m.py --mode=pack --batch_size=8 --steps=3   # SFT packed vs padded, lognormal lengths
+    python bench.py configs/26m.py --mode=llamacpp   # nanomind's engine vs llama.cpp (float32, Q8_0), 1 and 8 streams
 
 Bench's own keys are those of Bench below; every other --key=value goes to the training script (sft/dpo/grpo: model
 keys shape the random-init checkpoint they start from; generate/data: model, batch_size, device, dtype; moe: as
@@ -27,7 +28,8 @@ run's dtype: peak_repeats measurements before the first variant and after every 
 whole bench run. On a shared VM the speed of the same work can move by half from second to second, so the fastest
 step against the fastest matmul, both sampled over the same minutes, compares like with like, and the median shows
 what a long run sees. other_load is how many cores other processes kept busy meanwhile (from /proc/stat; a VM's
-neighbours on the same host do not show in it). The last line of output is one JSON object with every figure.
+neighbours on the same host do not show in it). The last line of output is one JSON object with every figure
+(mode=llamacpp: the line before it; its last line is nanomind's decode speed over llama.cpp's, llamacpp_bench.py).
 """
 import dataclasses
 import json
@@ -41,6 +43,7 @@ import time
 import torch
 
 import demo_data
+import llamacpp_bench
 from checkpoint import model_from_checkpoint
 from config import DPOConfig, GRPOConfig, PretrainConfig, SFTConfig, help_text, load_config, read_config_file
 from data import Loader, PretrainData
@@ -61,20 +64,22 @@ from tokenizer import DEFAULT_DIR, load_tokenizer
 @dataclasses.dataclass
 class Bench:
     # --- what to measure
-    mode: str = "train"  # train | sft | dpo | lora | grpo | generate | data | serve | moe | pack
+    mode: str = "train"  # train | sft | dpo | lora | grpo | generate | data | serve | moe | pack | llamacpp
     steps: int = 5  # steps 1..N warm up (allocations settle), N+1..2N are timed one by one
     peak_repeats: int = 3  # measure_peak_flops runs before the first variant and after each (unless --peak_flops)
     # --- mode=lora
     lora_rank: int = 8  # the LoRA runs' adapters (their alpha and targets: lora_alpha, lora_targets)
     # --- mode=grpo
     group_repeats: int = 5  # rounds of a group of completions sampled together, then the same number one by one
-    # --- mode=generate and mode=serve
+    # --- mode=generate, mode=serve and mode=llamacpp
     prompt_tokens: int = 64
     new_tokens: int = 256
-    # --- mode=serve
+    # --- mode=serve and mode=llamacpp
     clients: int = 8  # streams at once, against one alone
-    # --- mode=serve, mode=moe and mode=pack
-    rounds: int = 3  # serve: 1 client, then `clients` (a row each); moe: experts, then dense; pack: padded, then packed
+    # --- mode=llamacpp
+    threads: int = 0  # nanomind's (torch) and llama.cpp's threads alike; 0: torch's default
+    # --- mode=serve, mode=moe, mode=pack and mode=llamacpp
+    rounds: int = 3  # serve: 1 client, then `clients` (a row each); moe: experts, dense; pack: padded, packed; llamacpp
     # --- mode=sft and mode=pack
     lengths: str = ""  # the conversations' lengths: uniform | lognormal (synthetic.py); "": lognormal for mode=pack
     # --- mode=data
@@ -137,8 +142,8 @@ def parse_args(argv: list[str]) -> tuple[Bench, list[str], list[str]]:
             end += 1
         variants, argv = argv[i + 1 : end + 1], argv[:i] + argv[end + 1 :]
     (bench,) = load_config([a for a in argv if key(a) in keys(Bench)], Bench)
-    if bench.mode not in (*SCRIPTS, "lora", "generate", "data", "serve", "moe", "pack"):
-        raise ConfigError(f"mode must be train, sft, dpo, lora, grpo, generate, data, serve, moe or pack, "
+    if bench.mode not in (*SCRIPTS, "lora", "generate", "data", "serve", "moe", "pack", "llamacpp"):
+        raise ConfigError(f"mode must be train, sft, dpo, lora, grpo, generate, data, serve, moe, pack or llamacpp, "
                           f"got {bench.mode!r}")
     bench = dataclasses.replace(bench, lengths=bench.lengths or ("lognormal" if bench.mode == "pack" else "uniform"))
     if bench.lengths not in LENGTHS:
@@ -495,8 +500,14 @@ def run_pack(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of
     return rows
 
 
+def run_llamacpp(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_of) -> list[dict]:
+    """nanomind's engine against llama.cpp on a random-init model of the config's shape (llamacpp_bench.py)."""
+    return llamacpp_bench.compare(bench, *resolve("llamacpp", flags), tmp)
+
+
 RUNNERS = {"train": run_stage, "sft": run_stage, "dpo": run_stage, "lora": run_lora, "grpo": run_grpo,
-           "generate": run_generate, "data": run_data, "serve": run_serve, "moe": run_moe, "pack": run_pack}
+           "generate": run_generate, "data": run_data, "serve": run_serve, "moe": run_moe, "pack": run_pack,
+           "llamacpp": run_llamacpp}
 STAGE_COLUMNS = {"tokens_per_s": "{:.0f}", "tokens_per_s_median": "{:.0f}", "ms_per_step": "{:.0f}",
                  "mfu": "{:.2%}", "mfu_median": "{:.2%}", "mem_gb": "{:.2f}",
                  "frac_data": "{:.1%}", "frac_forward": "{:.1%}", "frac_backward": "{:.1%}", "frac_optimizer": "{:.1%}"}
@@ -525,7 +536,8 @@ COLUMNS = {"train": STAGE_COLUMNS, "sft": {**STAGE_COLUMNS, **REAL_COLUMNS}, "dp
            "data": {"file_mb": "{:.1f}", "tokens": "{:.3g}", "tokenise_mb_per_s_1proc": "{:.2f}",
                     "tokenise_peak_gb_1proc": "{:.2f}", "tokenise_mb_per_s_2proc": "{:.2f}",
                     "tokenise_peak_gb_2proc": "{:.2f}", "loader_batches_per_s": "{:.0f}",
-                    "loader_tokens_per_s": "{:.3g}"}}
+                    "loader_tokens_per_s": "{:.3g}"},
+           "llamacpp": llamacpp_bench.COLUMNS}
 
 
 def main(argv: list[str]) -> dict:
@@ -554,6 +566,8 @@ def main(argv: list[str]) -> dict:
     if any(row["other_load"] > 0.2 for row in rows):
         print("warning: other processes used the CPU during the run (other_load): the figures may be low")
     print(json.dumps(result))
+    if bench.mode == "llamacpp":
+        print(llamacpp_bench.summary(rows))
     return result
 
 

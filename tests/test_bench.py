@@ -1,8 +1,10 @@
 """bench.py: each mode (training, generation, DPO, GRPO, data, serving, LoRA, MoE against dense, SFT packed against
 padded) runs the real code and ends with a JSON row, MFU against the best peak sampled around each variant; --help,
 and a user's mistake as one error line."""
+import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -13,11 +15,12 @@ import torch
 
 import bench
 import demo_data
+import llamacpp_bench
 from conftest import REPO, TINY_MODEL, tiny
 from config import GRPOConfig
 from errors import ConfigError
 from model import Transformer
-from runtime import Run
+from runtime import Run, setup
 from token_cache import encode_dpo
 from tokenizer import load_tokenizer
 
@@ -314,3 +317,71 @@ def test_the_gpu_check_runs_every_step_at_toy_sizes_and_reports_each(tmp_path):
     assert report["shapes"]["decode_gqa_default"]["first_ms"] > 0
     assert [len(report["bench"][name]["rows"]) for name in ("train", "sft", "generate", "serve")] == [2, 2, 2, 1]
     assert "(no figures" not in (tmp_path / "report.md").read_text()
+
+
+LLAMACPP = [*TINY, "--mode=llamacpp", "--prompt_tokens=4", "--new_tokens=8"]
+
+
+def test_llamacpp_mode_times_nanomind_and_llama_cpp_in_turns_and_ends_with_the_ratio_line(capsys):
+    result = bench.main([*LLAMACPP, "--rounds=2"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(lines[-2]) == json.loads(json.dumps(result))  # the JSON, then the ratio line
+    rows = {(row["engine"], row["streams"]): row for row in result["rows"]}
+    assert list(rows) == [(engine, n) for n in (1, 8) for engine in ("nanomind", "llama.cpp float32", "llama.cpp q8_0")]
+    for row in rows.values():
+        for name in ("prefill_tokens_per_s", "decode_tokens_per_s", "nanomind_vs"):
+            assert 0 < row[f"{name}_min"] <= row[name] <= row[f"{name}_max"]
+        assert row["threads"] == torch.get_num_threads() and 0 < row["same_tokens"] <= 1
+    assert all(rows["nanomind", n]["nanomind_vs"] == rows["nanomind", n]["same_tokens"] == 1.0 for n in (1, 8))
+    # llama.cpp's defaults (a float16 KV cache, flash attention) move the logits by ~5e-3: a near tie may go the
+    # other way, and the rest of that stream with it (test_llama_cpp_driver_picks_nanomind_s_greedy_tokens: exactly)
+    assert rows["llama.cpp float32", 1]["same_tokens"] >= 0.85 and rows["llama.cpp float32", 8]["same_tokens"] >= 0.85
+    ratios = [rows["llama.cpp float32", n]["nanomind_vs"] for n in (1, 8)]
+    assert lines[-1] == f"nanomind / llama.cpp decode tokens/s: 1 stream {ratios[0]:.2f}x, 8 streams {ratios[1]:.2f}x"
+    assert re.fullmatch(r"nanomind / llama\.cpp decode tokens/s: 1 stream \d+\.\d\dx, 8 streams \d+\.\d\dx", lines[-1])
+
+
+def test_llama_cpp_driver_picks_nanomind_s_greedy_tokens(tmp_path):
+    """The bench's llama.cpp side (its batch of 8 sequences, their positions, the argmax of each) generates exactly
+    what engine.generate does on the float32 file, with attention in float32 as nanomind's (exact: a float32 KV cache,
+    no flash attention, which round to float16): the two time the same work. 8 random prompts, 12 new tokens each."""
+    cfg, model_cfg = bench.resolve("llamacpp", TINY)
+    run = setup("cpu", "float32", 0)
+    model = llamacpp_bench.random_model(model_cfg)
+    path = llamacpp_bench.export_files(model, str(tmp_path))["float32"]
+    prompts = torch.randint(model_cfg.vocab_size, (8, 5), generator=torch.Generator().manual_seed(0)).tolist()
+    lc = llamacpp_bench.llama_cpp_module()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(llamacpp_bench.quiet_llama_cpp())
+        llama_model, _ = llamacpp_bench.load_llama_cpp(lc, path, False, stack)
+        for n in (1, 8):
+            _, _, ours = llamacpp_bench.nanomind_generate(model, run, prompts[:n], 12)
+            llama = llamacpp_bench.LlamaCpp(lc, llama_model, n, 5, 17, 2, stack, exact=True)
+            for _ in range(2):  # a second run on the same context: the first's sequences are gone
+                prefill, decode, theirs = llama.generate(prompts[:n], 12)
+                assert theirs == ours and prefill > 0 and decode > 0
+    assert len({token for row in ours for token in row}) > 8  # not a model that repeats one token a stream
+
+
+def test_in_turns_warms_up_then_takes_each_engine_in_turn_each_round():
+    calls = []
+
+    def engine(name):
+        def generate_fn(prompts, new_tokens):
+            calls.append((name, len(prompts), new_tokens))
+            return 0.5, 2.0, [[1] * new_tokens for _ in prompts]
+        return generate_fn
+
+    engines = {(name, n): engine(name) for n in (1, 3) for name in ("nanomind", "other")}
+    timed = llamacpp_bench.in_turns(engines, [[0, 0]] * 3, 9, rounds=2)
+    assert calls == [("nanomind", 1, 4), ("other", 1, 4), ("nanomind", 3, 4), ("other", 3, 4)] + [
+        ("nanomind", 1, 9), ("other", 1, 9), ("nanomind", 3, 9), ("other", 3, 9)] * 2
+    assert timed["other", 3] == [(3 * 2 / 0.5, 3 * 8 / 2.0, [[1] * 9] * 3)] * 2  # prompt tokens/s, new tokens but one/s
+
+
+def test_llamacpp_mode_without_llama_cpp_or_with_too_many_tokens_is_one_error_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed: import raises ImportError
+    with pytest.raises(ConfigError, match=r"^mode=llamacpp needs llama-cpp-python .*: pip install llama-cpp-python$"):
+        bench.main(LLAMACPP)
+    with pytest.raises(ConfigError, match="max_seq_len=32"):  # TINY's
+        bench.main([*LLAMACPP, "--new_tokens=40"])
