@@ -232,8 +232,8 @@ def quantize_k(x, nmax: int, rmin: float, nstep: int):
     packed = np.concatenate([ls[:, :4] | (ls[:, 4:] >> 4) << 6, lm[:, :4] | (lm[:, 4:] >> 4) << 6,
                              (ls[:, 4:] & 15) | (lm[:, 4:] & 15) << 4], axis=1).astype(np.uint8)
     d16, dmin16 = fp16_bytes(max_scale / f32(63)), fp16_bytes(max_min / f32(63))
-    d = d16.copy().view(np.float16).astype(np.float32) * ls.astype(np.float32)
-    dm = dmin16.copy().view(np.float16).astype(np.float32) * lm.astype(np.float32)
+    d = fp16_field(d16, 0)[:, None] * ls.astype(np.float32)
+    dm = fp16_field(dmin16, 0)[:, None] * lm.astype(np.float32)
     requant = np.clip(nearest_int((x.reshape(n, 8, 32) + dm[..., None]) / d[..., None]), 0, nmax)
     L = np.where((d != 0)[..., None], requant, L).astype(np.uint8)  # C: if (!d) continue
     return d16, dmin16, packed, L.reshape(n, 4, 2, 32)
@@ -288,7 +288,7 @@ def quantize_q6_k(x):
     iscale = (f32(-128) / np.where(zero, f32(1), max_scale)).astype(np.float32)
     d16 = fp16_bytes(np.where(zero, f32(0), f32(1) / iscale))
     sc = np.minimum(127, nearest_int(iscale[:, None] * scales)).astype(np.int8)
-    d = d16.copy().view(np.float16).astype(np.float32) * sc.astype(np.float32)
+    d = fp16_field(d16, 0)[:, None] * sc.astype(np.float32)
     requant = np.clip(nearest_int(x.reshape(n, 16, 16) / d[..., None]), -32, 31) + 32
     L = np.where((d != 0)[..., None], requant, L).astype(np.uint8).reshape(n, 2, 4, 32)  # C: if (!d) continue
     ql = np.concatenate([L[:, :, 0] & 15 | (L[:, :, 2] & 15) << 4, L[:, :, 1] & 15 | (L[:, :, 3] & 15) << 4], axis=2)
