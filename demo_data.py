@@ -332,8 +332,8 @@ def eval_questions(rng, countries, pairs) -> list[dict]:
 # calculator and stating its result. SFT and RL ask about different numbers; the model learns the call's form and
 # to copy numbers from the question into it and from the result into the answer.
 # SFT asks the first five; RL and the evaluation all eight. The last three are new to the model, and ones the SFT
-# model half-answers: RL learns from the right completions among a group's; a phrasing it never answers right, such
-# as "{a}和{b}的乘积是多少？" (0-1 of 16 after SFT), gives RL nothing to learn from (docs/tools.md)
+# model half-answers: RL learns from the right completions among a group's, and a phrasing it never answers right
+# gives RL nothing to learn from (docs/tools.md)
 TOOL_Q = ["What is {a} times {b}?", "What is {a} multiplied by {b}?", "Multiply {a} by {b}.", "{a}乘以{b}等于多少？",
           "请计算{a}乘{b}。", "What is the product of {a} and {b}?", "请算出{a}乘以{b}的积。",
           "What do you get when you multiply {a} by {b}?"]

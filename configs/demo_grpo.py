@@ -18,8 +18,8 @@ ppo_epochs = 2  # two clipped updates per rollout batch
 # no KL to the SFT model: with beta 0.1 (MiniMind's), 16 prompts and one update, held-out pass@1 was 65% after 30
 # steps instead of 87.5%
 beta = 0.0
-# 32 prompts x 8 completions per step, 100 steps: with 16 prompts, one update and 60 steps (and the answer reward
-# alone) the held-out pass@1 of the demo's pipeline with pretraining seed 2 stopped at 55% (docs/rl.md)
+# 32 prompts x 8 completions per step, 100 steps: a lighter schedule leaves some pretraining seeds far below
+# (docs/rl.md)
 batch_size = 32
 max_steps = 100
 # no early stop within the 100 steps: 120 prompts make an epoch of 3-4 steps, each ending in an evaluation, and a run

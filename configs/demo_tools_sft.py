@@ -8,8 +8,8 @@ pack = False  # padded batches, as this recipe's figures were measured
 max_seq_len = 384
 flash = True
 batch_size = 16
-# 400 steps: at 220 the held-out score still hung on where SFT's climb happened to come (11% to 85% over seeds and
-# attention paths); at 400 every one of them answers the phrasings SFT shows, and agent RL teaches the new ones
+# 400 steps: long enough that every seed and attention path answers the phrasings SFT shows, whenever its climb
+# comes (docs/tools.md); agent RL teaches the new ones
 max_steps = 400
 lr = 2e-3
 min_lr = 2e-4
