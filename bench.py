@@ -13,6 +13,7 @@ on whole conversations packed into rows against rows padded to the batch's longe
     python bench.py configs/26m.py --mode=generate                 # batch 1 and 8, 256 new tokens
     python bench.py configs/26m.py --mode=data --batch_size=8
     python bench.py configs/26m.py --mode=serve                    # serve.py: 1 client alone, then 8 at once
+    python bench.py configs/26m.py --mode=serve --flood=1000       # ... and 8 again beside 1000 idle connections
     python bench.py configs/moe_198m.py --mode=moe --max_seq_len=128 --batch_size=4  # MoE vs dense, in turns
     python bench.py configs/26m.py --mode=pack --batch_size=8 --steps=3   # SFT packed vs padded, lognormal lengths
     python bench.py configs/26m.py --mode=llamacpp   # nanomind's engine vs llama.cpp (float32, Q8_0), 1 and 8 streams
@@ -54,7 +55,7 @@ from lora import add_lora, trainable_params
 from metrics import measure_peak_flops
 from model import ModelConfig, Transformer
 from runtime import setup, synchronize
-from serve_load import running_server, timed_clients
+from serve_load import Flood, request_seconds, running_server, timed_clients
 from synthetic import LENGTHS, Synthetic, write_pretraining_file
 from timing import BestPeak, OtherLoad, calls_per_second, fastest_and_median, machine, measured_process, spread
 from token_cache import tokenize_file
@@ -76,6 +77,8 @@ class Bench:
     new_tokens: int = 256
     # --- mode=serve and mode=llamacpp
     clients: int = 8  # streams at once, against one alone
+    # --- mode=serve
+    flood: int = 0  # N: each round again with N idle and trickling connections open (half each), and a request's time
     # --- mode=llamacpp
     threads: int = 0  # nanomind's (torch) and llama.cpp's threads alike; 0: torch's default
     # --- mode=serve, mode=moe, mode=pack and mode=llamacpp
@@ -427,6 +430,12 @@ def run_serve(bench: Bench, flags: list[str], tmp: str, synth: Synthetic, peak_o
             together = timed_clients(url, prompts, bench.new_tokens)
             rows.append({"round": r + 1, "clients": bench.clients, "tokens_per_s_alone": alone,
                          "tokens_per_s_together": together, "ratio": together / alone})
+            if bench.flood:
+                with Flood(url, bench.flood) as flood:
+                    time.sleep(1.0)  # the trickle has begun
+                    rows[-1]["tokens_per_s_flooded"] = timed_clients(url, prompts, bench.new_tokens)
+                    rows[-1]["request_s_flooded"] = request_seconds(url)  # the streams done, the flood still on
+                    rows[-1]["reopened"] = flood.reopened
     return rows
 
 
@@ -532,7 +541,8 @@ COLUMNS = {"train": STAGE_COLUMNS, "sft": {**STAGE_COLUMNS, **REAL_COLUMNS}, "dp
                    "mem_vs_dense": "{:.2f}x", "frac_forward": "{:.1%}", "frac_backward": "{:.1%}",
                    "frac_optimizer": "{:.1%}"},
            "serve": {"round": "{}", "clients": "{}", "tokens_per_s_alone": "{:.1f}", "tokens_per_s_together": "{:.1f}",
-                     "ratio": "{:.2f}x"},
+                     "ratio": "{:.2f}x", "tokens_per_s_flooded": "{:.1f}", "request_s_flooded": "{:.3f}",
+                     "reopened": "{}"},
            "data": {"file_mb": "{:.1f}", "tokens": "{:.3g}", "tokenise_mb_per_s_1proc": "{:.2f}",
                     "tokenise_peak_gb_1proc": "{:.2f}", "tokenise_mb_per_s_2proc": "{:.2f}",
                     "tokenise_peak_gb_2proc": "{:.2f}", "loader_batches_per_s": "{:.0f}",

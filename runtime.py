@@ -6,6 +6,7 @@ rank 0 only, and Ctrl-C / SIGTERM.
   Run.autocast / no_sync / rank0_first  the precision, DDP's gradient sync, "rank 0 builds the cache first"
   print0, all_reduce_mean, wrap         rank-0 printing, averaging over ranks, DDP (and compile) around a model
   StopSignal                            a signal asks the loop to save and stop between optimizer steps
+  allow_open_files                      room for a server's many sockets under the soft open-files limit
 """
 import ctypes
 import dataclasses
@@ -109,6 +110,20 @@ def keep_freed_memory():
 # how long a rank waits for the others in a collective: rank 0 tokenises a corpus alone (at a few MB/s per
 # process) while the others wait at a barrier, which NCCL's default of 10 minutes would abort
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(hours=4)
+
+
+def allow_open_files(n: int) -> int:
+    """Raise the process's soft limit on open files (often 1024) toward n, as far as the hard limit allows (a server's
+    connections, a flood's sockets); -> the files it may hold now."""
+    try:
+        import resource
+    except ImportError:  # not a Unix: nothing to raise
+        return n
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < n:
+        soft = n if hard == resource.RLIM_INFINITY else min(n, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return n if soft == resource.RLIM_INFINITY else soft
 
 
 def open_device(device: str, dtype: str) -> Run:

@@ -21,13 +21,15 @@ class QueueFull(Exception):
 
 
 class Job(Row):
-    """One request's row in the engine. The HTTP thread reads `events`: (text, None) as the answer grows, then
-    (text, finish_reason); ("", "error") when generation failed. Setting `cancelled` takes it out of the batch."""
+    """One request's row in the engine. Its client reads `events` (a queue, or anything with put()): (text, None)
+    as the answer grows, then (text, finish_reason); ("", "error") when generation failed. Setting `cancelled`
+    takes it out of the batch."""
 
-    def __init__(self, prompt: list[int], max_new: int, sampling: Sampling, eos_id: int, text: TextStream):
+    def __init__(self, prompt: list[int], max_new: int, sampling: Sampling, eos_id: int, text: TextStream,
+                 events=None):
         super().__init__(prompt, max_new, sampling, eos_id)
         self.text = text
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.events = queue.SimpleQueue() if events is None else events
         self.cancelled = False
 
     @property

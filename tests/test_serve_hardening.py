@@ -12,11 +12,12 @@ import time
 import pytest
 import torch
 
-from conftest import greedy_alone, start_server
+from conftest import greedy_alone, start_server, wait_until
 from engine import Sampling, TextStream
 from model import ModelConfig, Transformer
 from openai_api import MAX_STOP_CHARS
 from scheduler import Job, Scheduler
+from serve_load import Flood
 from tokenizer import load_tokenizer
 
 CHAT = {"messages": [{"role": "user", "content": "What is the capital of Kenya?"}], "max_tokens": 8}
@@ -184,23 +185,30 @@ def _recv(sock) -> bytes:
         return b""
 
 
-def test_connections_are_bounded_and_the_excess_gets_503(served, port):
+def test_a_thousand_idle_and_trickling_connections_hold_no_slot_and_are_closed_after_the_timeout(served, port):
     proc, _ = served
-    limit = 128  # --max_connections's default
-    idle = [socket.create_connection(("127.0.0.1", port), timeout=WAIT) for _ in range(limit + 20)]
+    with Flood(f"http://127.0.0.1:{port}", 1000) as flood:  # half idle, half sending a request a byte at a time
+        assert answer(port, max_tokens=4)  # answered (not 503) while the thousand hold their sockets
+        assert len(os.listdir(f"/proc/{proc.pid}/task")) <= 64  # no thread per connection
+        # every one of them is closed by the server once its --timeout (10 s) has passed, and opened again
+        assert wait_until(lambda: flood.reopened >= 1000, WAIT), flood.reopened
+        assert answer(port, max_tokens=4)
+
+
+def test_connections_past_max_connections_get_503(tiny_sft):
+    proc, url, _ = start_server(tiny_sft, "--max_connections=16")
+    port = int(url.rsplit(":", 1)[1])
     try:
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=WAIT) for _ in range(20)]
         status, headers, body = exchange(port, request(body=CHAT))
         assert status == 503 and error(status, headers, body)["code"] == "server_busy"
-        assert len(os.listdir(f"/proc/{proc.pid}/task")) <= limit + 16  # a thread per connection up to the limit
-    finally:
+        assert headers["retry-after"] == "1"
         for sock in idle:
             sock.close()
-    for _ in range(100):  # the handlers of the closed connections end
-        status, _, _ = exchange(port, request("GET", "/health"))
-        if status == 200:
-            break
-        time.sleep(0.2)
-    assert status == 200
+        assert wait_until(lambda: exchange(port, request("GET", "/health"))[0] == 200)  # their handlers end
+    finally:
+        proc.terminate()
+        proc.wait()
 
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="no ss (iproute2) to read the listen backlog")

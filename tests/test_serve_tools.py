@@ -3,6 +3,7 @@ streamed alike), an agent loop runs a tool and answers with its result, tool_cho
 the think block and returns reasoning_content, and every malformed call or request is content or a 400, never a
 500. Prompts are checked against transformers' apply_chat_template. Where the model's own choice does not matter,
 a scripted engine writes the answer (the server, its template and its parsing are the real ones)."""
+import asyncio
 import dataclasses
 import json
 import os
@@ -97,12 +98,13 @@ def scripted(chatml_ckpt):
     """(the Scripted engine, an openai client) of a serve.App in this process whose engine is scripted."""
     app = serve.App(serve.parse_args([f"--ckpt={chatml_ckpt}", "--device=cpu", "--port=0"]))
     app.scheduler = engine = Scripted(app.tokenizer)
-    server = serve.Server(("127.0.0.1", 0), app)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield engine, openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="none",
-                                max_retries=0)
-    server.shutdown()
-    server.server_close()
+    loop = asyncio.new_event_loop()
+    listener = loop.run_until_complete(serve.Server(app).start("127.0.0.1", 0))
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    yield engine, openai.OpenAI(base_url=f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}/v1",
+                                api_key="none", max_retries=0)
+    loop.call_soon_threadsafe(listener.close)
+    loop.call_soon_threadsafe(loop.stop)
 
 
 def ask(client, messages=QUESTION, **options):
