@@ -12,6 +12,7 @@ Generation, written once: sample.py, serve.py, eval.py, eval_demo.py and bench.p
   complete      id lists in -> each completion's text (evaluation)
   TextStream    a row's ids -> the text it may show so far: whole UTF-8 characters, never half a stop string
   prompt_ids    messages in the chat template, or a text to continue -> the ids to generate from
+  compiled      a model whose forward torch.compile has compiled for generation (--compile in sample/serve.py)
 
 A row that stops (at a stop string, a tool call) can go on later as a new row whose prompt is everything so far
 plus what comes next: the model continues a cache at any position (Transformer.hidden_states).
@@ -22,6 +23,18 @@ from dataclasses import dataclass
 import torch
 
 from chat import encode_chat
+
+
+def compiled(model):
+    """The model, its forward compiled by torch.compile with dynamic shapes: a batch, a prompt and a cache position
+    of any size share one compiled graph per kind of call (prefill, rows in lockstep, rows at their own positions)
+    instead of one per size. Each kind compiles at its first call (one to three minutes on a 2-core CPU); then a
+    decode step runs as fused kernels and matrix products called from C++ (cpp_wrapper), without Python between
+    them. Without gradients the weights are frozen into the graph as constants; prepacking them for oneDNN,
+    inductor's default with frozen weights, made decoding slower on a CPU, so it is off (docs/performance.md)."""
+    options = {"freezing": True, "cpp.weight_prepack": False, "cpp_wrapper": True}
+    model.forward = torch.compile(model.forward, dynamic=True, options=options)
+    return model
 
 
 class KVCache:

@@ -14,12 +14,14 @@ last ones (decode: the other new_tokens - 1 steps).
 In rounds -- nanomind, llama.cpp float32, llama.cpp Q8_0, with 1 stream, then with `streams` -- so that the
 machine's changing load hits all alike: each cell's median tokens/s and its spread over the rounds, each round's
 ratio of nanomind's decode tokens/s to the other's, and the share of the other's greedy tokens that are nanomind's
-(the float32 file's are, but for near ties: the same work is timed). llama.cpp keeps its own defaults otherwise: a
+(the float32 file's are, but for near ties: the same work is timed). With --compile=True nanomind runs twice a
+turn, eager and with its forward compiled (engine.compiled), and the ratios are the compiled one's. llama.cpp keeps its own defaults otherwise: a
 float16 KV cache and flash attention (auto: on), which round attention's inputs to float16 and move the logits by
 ~5e-3 (a near tie may go the other way, and the rest of that stream with it; LlamaCpp(exact=True) computes
 nanomind's logits to ~5e-6), and a KV buffer per sequence. nanomind's KV cache is in its compute dtype (float32).
 """
 import contextlib
+import copy
 import logging
 import sys
 import time
@@ -28,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine import generate
+from engine import compiled, generate
 from errors import ConfigError
 from gguf_export import export_gguf
 from hf_export import tokenizer_files
@@ -37,7 +39,7 @@ from runtime import setup
 from timing import machine, spread
 from tokenizer import DEFAULT_DIR, load_tokenizer
 
-NANOMIND = "nanomind"
+NANOMIND, COMPILED = "nanomind", "nanomind compiled"  # the engine eager, and with its forward compiled
 FILES = ("float32", "q8_0")  # the GGUF files llama.cpp runs: nanomind's own precision, and 8-bit weights
 COLUMNS = {"engine": "{}", "streams": "{}", "prefill_tokens_per_s": "{:.0f}", "prefill_tokens_per_s_min": "{:.0f}",
            "prefill_tokens_per_s_max": "{:.0f}", "decode_tokens_per_s": "{:.1f}", "decode_tokens_per_s_min": "{:.1f}",
@@ -196,12 +198,13 @@ def same_share(tokens: list[list[int]], reference: list[list[int]]) -> float:
     return sum(a == b for a, b in pairs) / len(pairs)
 
 
-def rows_of(timed: dict) -> list[dict]:
-    """A row per (engine, streams): the median and spread of its tokens/s and of nanomind's decode tokens/s over
-    its own, round by round; the share of its first round's greedy tokens that are nanomind's."""
+def rows_of(timed: dict, reference: str = NANOMIND) -> list[dict]:
+    """A row per (engine, streams): the median and spread of its tokens/s and of the reference's (nanomind's,
+    eager or compiled) decode tokens/s over its own, round by round; the share of its first round's greedy tokens
+    that are the reference's."""
     rows = []
     for (name, n), runs in timed.items():
-        ours = timed[NANOMIND, n]
+        ours = timed[reference, n]
         rows.append({"engine": name, "streams": n, **spread("prefill_tokens_per_s", (p for p, _, _ in runs)),
                      **spread("decode_tokens_per_s", (d for _, d, _ in runs)),
                      **spread("nanomind_vs", (o[1] / d for o, (_, d, _) in zip(ours, runs))),
@@ -222,7 +225,8 @@ def check(bench, cfg, model_cfg):
 
 def compare(bench, cfg, model_cfg, tmp: str) -> list[dict]:
     """bench: prompt_tokens, new_tokens, clients (the streams at once), rounds, threads (0: torch's default);
-    cfg: device, dtype, seed, tokenizer_path. A row per engine and stream count (rows_of)."""
+    cfg: device, dtype, seed, tokenizer_path, compile (also time nanomind compiled, and compare llama.cpp with
+    that). A row per engine and stream count (rows_of)."""
     check(bench, cfg, model_cfg)
     lc = llama_cpp_module()
     run, threads = setup("cpu", cfg.dtype, cfg.seed), bench.threads or torch.get_num_threads()
@@ -236,8 +240,11 @@ def compare(bench, cfg, model_cfg, tmp: str) -> list[dict]:
         lc.llama_backend_init()
         llamas = {dtype: load_llama_cpp(lc, path, dtype != "float32", stack) for dtype, path in paths.items()}
         engines, contexts = {}, []
+        fast = compiled(copy.deepcopy(model)) if cfg.compile else None
         for n in streams:
             engines[NANOMIND, n] = lambda p, k: nanomind_generate(model, run, p, k)
+            if fast is not None:
+                engines[COMPILED, n] = lambda p, k: nanomind_generate(fast, run, p, k)
             for dtype, (llama_model, _) in llamas.items():
                 contexts.append(LlamaCpp(lc, llama_model, n, T, max_len, threads, stack))
                 engines[f"llama.cpp {dtype}", n] = contexts[-1].generate
@@ -248,7 +255,8 @@ def compare(bench, cfg, model_cfg, tmp: str) -> list[dict]:
             timed = in_turns(engines, prompts, bench.new_tokens, bench.rounds)
         finally:
             torch.set_num_threads(before)
-    return [row | {"threads": threads, "prompt_tokens": T, "new_tokens": bench.new_tokens} for row in rows_of(timed)]
+    return [row | {"threads": threads, "prompt_tokens": T, "new_tokens": bench.new_tokens}
+            for row in rows_of(timed, COMPILED if cfg.compile else NANOMIND)]
 
 
 def describe(bench, cfg, model, run, threads: int, lc, context: LlamaCpp, llamas: dict):
@@ -266,13 +274,16 @@ def describe(bench, cfg, model, run, threads: int, lc, context: LlamaCpp, llamas
           f"first), {bench.new_tokens} new tokens each, greedy, no eos; {threads} threads on both (torch; llama.cpp "
           f"n_threads and n_threads_batch); {bench.rounds} rounds in turns")
     extra = ", ".join(f"{dtype} {'on' if on else 'off (AMX crash workaround)'}" for dtype, (_, on) in llamas.items())
-    print(f"nanomind: engine.generate, {run.dtype}, KV cache {run.dtype}; llama.cpp {lc.__version__} "
+    print(f"nanomind: engine.generate, {run.dtype}, KV cache {run.dtype}"
+          f"{', eager and compiled (engine.compiled)' if cfg.compile else ''}; llama.cpp {lc.__version__} "
           f"(llama-cpp-python's low-level batch API): KV cache {types.get(context.kv_type, context.kv_type)} and "
           f"flash attention {flash} (its defaults), extra buffer types {extra}")
 
 
 def summary(rows: list[dict]) -> str:
-    """The last line: nanomind's decode tokens/s over llama.cpp's on the float32 file, per stream count."""
+    """The last line: nanomind's decode tokens/s (compiled, when it ran so) over llama.cpp's on the float32 file,
+    per stream count."""
     ratios = {row["streams"]: row["nanomind_vs"] for row in rows if row["engine"] == f"llama.cpp {FILES[0]}"}
-    return "nanomind / llama.cpp decode tokens/s: " + ", ".join(
+    name = COMPILED if any(row["engine"] == COMPILED for row in rows) else NANOMIND
+    return f"{name} / llama.cpp decode tokens/s: " + ", ".join(
         f"{n} stream{'s' if n > 1 else ''} {ratio:.2f}x" for n, ratio in sorted(ratios.items()))

@@ -19,7 +19,7 @@ import torch
 
 from checkpoint import load_model
 from config import check_device_and_dtype, load_config
-from engine import Sampling, TextStream, generate, prompt_ids
+from engine import Sampling, TextStream, compiled, generate, prompt_ids
 from errors import ConfigError, cli
 from reply import CALL_START, Reply
 from runtime import open_device
@@ -174,6 +174,7 @@ class Config:
     # --- system
     device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
     dtype: str = "auto"  # autocast: auto is what the device runs well (float32 on a CPU); float32 forces it
+    compile: bool = False  # torch.compile the forward: a compile at the first answer; 26m then decodes ~2x faster
 
     def __post_init__(self):
         check_device_and_dtype(self.device, self.dtype)
@@ -190,6 +191,7 @@ def main(argv: list[str]):
     args = parse_args(argv)
     run = open_device(args.device, args.dtype)
     model, tokenizer, state = load_model(args.ckpt, run.device, args.tokenizer_path, args.yarn)
+    model = compiled(model) if args.compile else model
     generator = torch.Generator(run.device).manual_seed(args.seed)  # on the device it samples on
     chat = state["stage"] != "pretrain"
     budget = prompt_budget(model.config.max_seq_len, args.max_new_tokens)

@@ -34,7 +34,7 @@ import uuid
 from chat import encode_pieces, markup
 from checkpoint import load_model
 from config import check_device_and_dtype, load_config
-from engine import TextStream, prompt_ids
+from engine import Row, TextStream, compiled, decode, prompt_ids
 from errors import ConfigError, DataError, cli
 from openai_api import (APIError, chat_deltas, chat_message, chat_messages, get, parse_body, sampling_options,
                         thinking_option, tool_options, usage)
@@ -51,6 +51,15 @@ LINGER = 1.0  # seconds a closing connection waits for the client to stop sendin
 # -----------------------------------------------------------------------------
 # HTTP
 
+def warmed_up(model, autocast):
+    """The compiled model after one call of each kind a batch makes (prefills, rows in lockstep, rows at their own
+    positions, one and several), so that no request waits for a compile."""
+    with autocast():
+        decode(model, [Row([1] * 4, 3), Row([1] * 4, 3)])
+        decode(model, [Row([1] * 3, 4), Row([1] * 5, 2)])
+    return model
+
+
 class App:
     """What every request handler shares: the tokenizer, the engine, the key, the limits, the page."""
 
@@ -58,6 +67,8 @@ class App:
         run = open_device(args.device, args.dtype)
         # the checkpoint's tokenizer and its template
         model, self.tokenizer, state = load_model(args.ckpt, run.device, args.tokenizer_path, args.yarn)
+        if args.compile:
+            model = warmed_up(compiled(model), run.autocast)
         self.device = run.device
         self.stage = state["stage"]
         self.max_seq_len = model.config.max_seq_len
@@ -461,6 +472,7 @@ class Config:
     # --- system
     device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
     dtype: str = "auto"  # autocast: auto is what the device runs well (float32 on a CPU); float32 forces it
+    compile: bool = False  # torch.compile the forward before serving (minutes); 26m then decodes ~2x faster
 
 
 def parse_args(argv: list[str]) -> Config:

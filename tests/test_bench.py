@@ -379,6 +379,15 @@ def test_in_turns_warms_up_then_takes_each_engine_in_turn_each_round():
     assert timed["other", 3] == [(3 * 2 / 0.5, 3 * 8 / 2.0, [[1] * 9] * 3)] * 2  # prompt tokens/s, new tokens but one/s
 
 
+def test_with_compile_the_ratios_and_the_last_line_are_the_compiled_engine_s():
+    # decode seconds per round: eager 4, compiled 2, llama.cpp 1 (one stream) -> compiled / llama.cpp 0.5x
+    timed = {(name, 1): [(1.0, 1 / seconds, [[7, 8]])] * 3 for name, seconds in
+             (("nanomind", 4.0), ("nanomind compiled", 2.0), ("llama.cpp float32", 1.0))}
+    rows = {row["engine"]: row for row in llamacpp_bench.rows_of(timed, llamacpp_bench.COMPILED)}
+    assert rows["nanomind"]["nanomind_vs"] == 2.0 and rows["llama.cpp float32"]["nanomind_vs"] == 0.5
+    assert llamacpp_bench.summary(list(rows.values())) == "nanomind compiled / llama.cpp decode tokens/s: 1 stream 0.50x"
+
+
 def test_llamacpp_mode_without_llama_cpp_or_with_too_many_tokens_is_one_error_line(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed: import raises ImportError
     with pytest.raises(ConfigError, match=r"^mode=llamacpp needs llama-cpp-python .*: pip install llama-cpp-python$"):

@@ -1,5 +1,6 @@
 """engine.py: the KV cache against full forwards, the engine's rows against each row alone and against
 recomputation, sampling, and the text a stream may show."""
+import copy
 import random
 
 import pytest
@@ -7,8 +8,8 @@ import torch
 
 import model as model_py
 from conftest import bound, tiny
-from engine import (Engine, KVCache, Row, Sampling, TextStream, borders, complete, generate, overlap, prompt_ids,
-                    sample_next)
+from engine import (Engine, KVCache, Row, Sampling, TextStream, borders, compiled, complete, generate, overlap,
+                    prompt_ids, sample_next)
 from model import Transformer
 from openai_api import MAX_STOP_CHARS
 from tokenizer import NANOMIND_DIR, load_tokenizer
@@ -423,3 +424,30 @@ def test_a_text_stream_decodes_a_bounded_number_of_ids_per_token(vocab):
         per_token.append(counting.decoded)
     assert len(ids) > 4000 and max(per_token) <= 8  # decoding the whole reply again: up to len(ids) a token
     assert stream.sent + stream.finish() == reply.strip(" ")
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_a_compiled_model_decodes_what_the_eager_one_does(flash):
+    """engine.compiled (sample.py and serve.py --compile): prompts prefilled together and alone, rows in lockstep,
+    rows joining and leaving the batch at their own positions, one row alone: the tokens of the eager model. The
+    compiled kernels sum in their own order, so the logits agree to rounding, not bit for bit."""
+    eager = sharpen(tiny(flash=flash)).eval()
+    fast = compiled(copy.deepcopy(eager))
+    batch = ids(eager, B=3, T=7)
+    with torch.no_grad():
+        assert torch.allclose(fast(batch)[0], eager(batch)[0], rtol=0, atol=1e-4)
+    prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 5, 12)]
+    lengths = [20, 6, 14, 9]
+
+    def served(model) -> list[list[int]]:  # room for 2 rows: rows start and end at different steps
+        engine, waiting = Engine(model, max_batch=2), [Row(p, n) for p, n in zip(prompts, lengths)]
+        rows = list(waiting)
+        while waiting or engine.rows:
+            while waiting and len(engine.rows) < 2:
+                engine.add([waiting.pop(0)])
+            engine.step()
+        return [row.tokens for row in rows]
+
+    assert served(fast) == served(eager)
+    assert run(fast, batch, 12) == run(eager, batch, 12)
+    assert run(fast, batch[:1], 12) == run(eager, batch[:1], 12)

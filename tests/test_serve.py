@@ -222,6 +222,21 @@ def test_another_host_than_loopback_is_warned_about(tiny_sft):
 
 
 def test_eight_concurrent_streams_each_get_their_own_answer(client, reference):
+    assert_concurrent_answers(client, reference)
+
+
+def test_a_compiled_server_answers_as_the_eager_one(tiny_sft, reference):
+    # serve.py --compile: compiled before it listens, then the same greedy answers (rows joining and leaving)
+    proc, url, _ = start_server(tiny_sft, "--compile=True")
+    try:
+        assert_concurrent_answers(openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0), reference)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def assert_concurrent_answers(client, reference):
+    """Every question streamed at once: each answer and its usage are the greedy answer alone."""
     results, start = {}, threading.Barrier(len(QUESTIONS))
 
     def one(q):
