@@ -15,10 +15,11 @@ In rounds -- nanomind, llama.cpp float32, llama.cpp Q8_0, with 1 stream, then wi
 machine's changing load hits all alike: each cell's median tokens/s and its spread over the rounds, each round's
 ratio of nanomind's decode tokens/s to the other's, and the share of the other's greedy tokens that are nanomind's
 (the float32 file's are, but for near ties: the same work is timed). With --compile=True nanomind runs twice a
-turn, eager and with its forward compiled (engine.compiled), and the ratios are the compiled one's. llama.cpp keeps its own defaults otherwise: a
-float16 KV cache and flash attention (auto: on), which round attention's inputs to float16 and move the logits by
-~5e-3 (a near tie may go the other way, and the rest of that stream with it; LlamaCpp(exact=True) computes
-nanomind's logits to ~5e-6), and a KV buffer per sequence. nanomind's KV cache is in its compute dtype (float32).
+turn, eager and with its forward compiled (engine.compiled), and the ratios are the compiled one's. llama.cpp keeps
+its own defaults otherwise: a float16 KV cache and flash attention (auto: on), which round attention's inputs to
+float16 and move the logits by ~5e-3 (a near tie may go the other way, and the rest of that stream with it;
+LlamaCpp(exact=True) computes nanomind's logits to ~5e-6), and a KV buffer per sequence. nanomind's KV cache is in
+its compute dtype (float32).
 """
 import contextlib
 import copy
