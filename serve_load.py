@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from contextlib import contextmanager
 
@@ -70,14 +71,14 @@ class Flood:
     every half second. Each one the server closes (its timeout) is opened again. Use as `with Flood(url, n):`."""
 
     def __init__(self, url: str, n: int):
-        self.address = tuple(url.split("//", 1)[1].rsplit(":", 1))
-        self.address = (self.address[0].strip("[]"), int(self.address[1]))
+        parts = urllib.parse.urlsplit(url)
+        self.address = (parts.hostname, parts.port)
         self.data = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         self.socks, self.sent, self.n, self.stop = [], [], n, threading.Event()
         self.reopened = 0  # connections the server closed, opened again
 
     def __enter__(self):
-        allow_open_files(2 * self.n + 256)  # ours here, the server's in its own process
+        allow_open_files(self.n + 256)  # the flood's sockets and the rest of this process's files
         for i in range(self.n):
             self.socks.append(socket.create_connection(self.address))
             self.sent.append(0)
