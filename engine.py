@@ -30,9 +30,9 @@ def compiled(model):
     of any size share one compiled graph per kind of call (prefill, rows in lockstep, rows at their own positions)
     instead of one per size. Each kind compiles at its first call (one to three minutes on a 2-core CPU); then a
     decode step runs as fused kernels and matrix products called from C++ (cpp_wrapper), without Python between
-    them. Without gradients the weights are frozen into the graph as constants; prepacking them for oneDNN,
-    inductor's default with frozen weights, made decoding slower on a CPU, so it is off (docs/performance.md)."""
-    options = {"freezing": True, "cpp.weight_prepack": False, "cpp_wrapper": True}
+    them. The weights stay inputs of the graph: frozen into it as constants (inductor's freezing) they decoded no
+    faster, and a model changed after compiling would run its old weights (docs/performance.md)."""
+    options = {"cpp_wrapper": True}
     model.forward = torch.compile(model.forward, dynamic=True, options=options)
     return model
 
