@@ -153,12 +153,15 @@ def country_paragraph(rng, lang: str) -> list[str]:
 
 
 def sum_paragraph(rng, lang: str, max_number: int) -> list[str]:
-    """A few sums, either unrelated or a run of the same first number (a + b, a + b+1, ...), which shows how
-    sums grow."""
+    """A few sums: unrelated ones, numbers each added to itself (a + a), or a run of the same first number
+    (a + b, a + b+1, ...), which shows how sums grow."""
     templates = SUM_EN if lang == "en" else SUM_ZH
     n = rng.randint(2, 5)
-    if rng.random() < 0.5:
+    kind = rng.random()
+    if kind < 0.4:
         pairs = [(rng.randrange(max_number), rng.randrange(max_number)) for _ in range(n)]
+    elif kind < 0.6:  # copying an operand is then a pattern pretraining shows, which RL's doubling builds on
+        pairs = [(a, a) for a in rng.sample(range(max_number), n)]
     else:
         a, b = rng.randrange(max_number), rng.randrange(max_number - n + 1)
         pairs = [(a, b + i) for i in range(n)]
