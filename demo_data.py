@@ -152,15 +152,15 @@ def country_paragraph(rng, lang: str) -> list[str]:
     return [t.format(c=c, k=k, m=continent) for t in rng.sample(templates, rng.randint(2, 4))]
 
 
-def sum_paragraph(rng, lang: str, max_number: int) -> list[str]:
-    """A few sums: unrelated ones, numbers each added to itself (a + a), or a run of the same first number
-    (a + b, a + b+1, ...), which shows how sums grow."""
+def sum_paragraph(rng, lang: str, max_number: int, doubles: float) -> list[str]:
+    """A few sums: unrelated ones, numbers each added to itself (a + a; a share `doubles` of the paragraphs), or a
+    run of the same first number (a + b, a + b+1, ...), which shows how sums grow."""
     templates = SUM_EN if lang == "en" else SUM_ZH
     n = rng.randint(2, 5)
     kind = rng.random()
-    if kind < 0.4:
+    if kind < 0.5 - doubles / 2:
         pairs = [(rng.randrange(max_number), rng.randrange(max_number)) for _ in range(n)]
-    elif kind < 0.6:  # copying an operand is then a pattern pretraining shows, which RL's doubling builds on
+    elif kind < 0.5 + doubles / 2:  # copying an operand is then a pattern pretraining shows: RL's doubling uses it
         pairs = [(a, a) for a in rng.sample(range(max_number), n)]
     else:
         a, b = rng.randrange(max_number), rng.randrange(max_number - n + 1)
@@ -185,9 +185,9 @@ def faq_paragraph(rng, lang: str, max_number: int) -> list[str]:
     return items
 
 
-def documents(n: int, max_number: int, rng) -> list[str]:
-    """n short documents in one language each, made of 2-4 paragraphs: facts about a country, a few sums, or
-    questions and answers. Every fact, held-out ones included, appears many times, each time among different
+def documents(n: int, max_number: int, rng, sum_doubles: float = 0.2) -> list[str]:
+    """n short documents in one language each, made of 2-4 paragraphs: facts about a country, a few sums (a share
+    sum_doubles of them a + a), or questions and answers. Every fact, held-out ones included, appears many times, each time among different
     neighbours, so a model learns the facts rather than the documents."""
     docs = []
     for _ in range(n):
@@ -200,7 +200,7 @@ def documents(n: int, max_number: int, rng) -> list[str]:
             elif kind < 0.55:
                 sentences += faq_paragraph(rng, lang, max_number)
             else:
-                sentences += sum_paragraph(rng, lang, max_number)
+                sentences += sum_paragraph(rng, lang, max_number, sum_doubles)
         sentences = [sentence(t) for t in sentences] if lang == "en" else sentences
         docs.append((" " if lang == "en" else "").join(sentences))
     return docs

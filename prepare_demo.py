@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from config import load_config
 from demo_data import (TOOL_Q, conversation, documents, double_prompts, dpo_pair, eval_questions, product_document,
                        split_world, tool_pairs, tool_record, write_jsonl)
-from errors import cli
+from errors import check_ranges, cli
 from tools import load_toolbox
 
 
@@ -32,6 +32,7 @@ class Config:
     max_number: int = 20  # sums of two numbers below this
     held_out_countries: int = 20
     held_out_sums: float = 0.1  # fraction of number pairs held out
+    sum_doubles: float = 0.2  # fraction of the pretraining's sum paragraphs that add numbers to themselves (a + a)
     # --- how many records
     pretrain_docs: int = 30000  # pretraining documents
     sft: int = 8000  # SFT conversations
@@ -43,6 +44,9 @@ class Config:
     tool_rl: int = 600  # tool-use RL prompts, about other products
     tool_eval: int = 100  # held-out tool-use prompts
 
+    def __post_init__(self):
+        check_ranges(self, {"sum_doubles": (lambda v: 0 <= v <= 1, "in [0, 1]")})
+
 
 def main(argv: list[str]):
     (args,) = load_config(argv, Config)
@@ -51,7 +55,7 @@ def main(argv: list[str]):
     held_countries, train_countries, held_pairs, train_pairs = split_world(rng, args.held_out_countries,
                                                                            args.max_number, args.held_out_sums)
     os.makedirs(args.out_dir, exist_ok=True)
-    docs = documents(args.pretrain_docs, args.max_number, rng)
+    docs = documents(args.pretrain_docs, args.max_number, rng, args.sum_doubles)
     write_jsonl(f"{args.out_dir}/pretrain.jsonl", ({"text": d} for d in docs))
     write_jsonl(f"{args.out_dir}/sft.jsonl", (conversation(rng, train_countries, train_pairs) for _ in range(args.sft)))
     write_jsonl(f"{args.out_dir}/dpo.jsonl",
