@@ -222,11 +222,18 @@ def test_a_run_logs_its_rewards_and_evaluates_the_starting_model(demo_dir, tiny_
     assert (out / "best.pt").exists()
 
 
+def shorter_is_better(tmp_path) -> str:
+    """A reward that spreads within every group, so that each step updates: the tiny model's answers may all be
+    wrong, and a group of equal rewards has no advantage."""
+    (tmp_path / "short.py").write_text("def short(messages, completion, record):\n    return -len(completion)\n")
+    return f"--reward={tmp_path}/short.py:short"
+
+
 def test_lora_policy_is_its_own_reference_with_the_adapters_off(demo_dir, tiny_sft, tmp_path, monkeypatch):
     monkeypatch.setattr(grpo, "frozen_model", None)  # a separate reference model would fail to load
     out = tmp_path / "lora"
     train_grpo.main(grpo_args(demo_dir, tiny_sft, out, "--batch_size=4", "--max_steps=2", "--beta=0.1",
-                              "--lora_rank=4", "--lora_alpha=8", "--lr=1e-2"))
+                              "--lora_rank=4", "--lora_alpha=8", "--lr=1e-2", shorter_is_better(tmp_path)))
     train = [r for r in read_metrics(out) if "loss" in r]
     assert train[0]["kl"] == 0.0 and train[1]["kl"] > 0  # adapters start at zero, then move away
 
@@ -236,7 +243,8 @@ STEPS = 3
 
 def run_split(demo_dir, tiny_sft, out_dir, batch_size, accum_steps, ranks):
     args = grpo_args(demo_dir, tiny_sft, out_dir, f"--batch_size={batch_size}", f"--accum_steps={accum_steps}",
-                     f"--max_steps={STEPS}", "--max_grad_norm=0", "--beta=0.1", "--ppo_epochs=2")
+                     f"--max_steps={STEPS}", "--max_grad_norm=0", "--beta=0.1", "--ppo_epochs=2",
+                     shorter_is_better(out_dir.parent))
     if ranks == 1:
         train_grpo.main(args)
         return
