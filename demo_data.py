@@ -187,8 +187,8 @@ def faq_paragraph(rng, lang: str, max_number: int) -> list[str]:
 
 def documents(n: int, max_number: int, rng, sum_doubles: float = 0.2) -> list[str]:
     """n short documents in one language each, made of 2-4 paragraphs: facts about a country, a few sums (a share
-    sum_doubles of them a + a), or questions and answers. Every fact, held-out ones included, appears many times, each time among different
-    neighbours, so a model learns the facts rather than the documents."""
+    sum_doubles of them a + a), or questions and answers. Every fact, held-out ones included, appears many times,
+    each time among different neighbours, so a model learns the facts rather than the documents."""
     docs = []
     for _ in range(n):
         lang = rng.choice(["en", "zh"])
