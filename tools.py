@@ -82,6 +82,7 @@ OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mu
              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 SIGNS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_MAGNITUDE = 1e100  # beyond this an answer is no use, and 9**9**9 would take the process's memory
+MAX_DEPTH = 100  # operators nested deeper are refused by rule, not by whatever recursion limit the process has set
 WRITTEN = {"×": "*", "÷": "/", "−": "-", "^": "**", "（": "(", "）": ")", "，": ","}  # how people write it
 
 
@@ -97,16 +98,18 @@ def calculate(expression: str) -> int | float:
     except (SyntaxError, RecursionError, MemoryError):
         raise ValueError(f"not an arithmetic expression: {expression!r}") from None
 
-    def value(node):
+    def value(node, depth=0):
+        if depth > MAX_DEPTH:
+            raise ValueError(f"the expression nests operators over {MAX_DEPTH} deep")
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             if not abs(node.value) <= MAX_MAGNITUDE:  # 1e999 is inf (and inf - inf is nan): no answer, nor JSON
                 written = ast.get_source_segment(expression, node) or ""
                 raise ValueError(f"the number {written[:20]}{'...' * (len(written) > 20)} is too large (over 1e100)")
             return node.value
         if isinstance(node, ast.UnaryOp) and type(node.op) in SIGNS:
-            return SIGNS[type(node.op)](value(node.operand))
+            return SIGNS[type(node.op)](value(node.operand, depth + 1))
         if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
-            left, right = value(node.left), value(node.right)
+            left, right = value(node.left, depth + 1), value(node.right, depth + 1)
             # |left ** right| = 2 ** (right * log2|left|): only that exponent tells a huge power (9**9**9, 0.5**-2000)
             # from a tiny one (10**-400 is 0.0); 0 ** right is 0, 1 or a ZeroDivisionError
             if isinstance(node.op, ast.Pow) and left != 0 and right * math.log2(abs(left)) > 340:  # > 2**340
@@ -117,10 +120,7 @@ def calculate(expression: str) -> int | float:
             return result
         raise ValueError(f"only numbers and + - * / // % ** are allowed, not {ast.unparse(node)!r}")
 
-    try:
-        result = value(tree.body)
-    except RecursionError:
-        raise ValueError("the expression is nested too deeply") from None
+    result = value(tree.body)
     return int(result) if isinstance(result, float) and result.is_integer() and abs(result) < 2**53 else result
 
 

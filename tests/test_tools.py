@@ -4,6 +4,7 @@ toolbox runs calls, errors as {"error"}, from the built-in tools or a user's fil
 import dataclasses
 import json
 import re
+import sys
 import textwrap
 
 import pytest
@@ -47,6 +48,18 @@ def test_the_calculator_reads_how_people_write_arithmetic():
 def test_the_calculator_refuses_anything_but_bounded_arithmetic(expression):
     with pytest.raises(ValueError):
         calculate(expression)
+
+
+def test_the_nesting_bound_is_the_calculators_own_not_the_recursion_limit():
+    # torch.compile raises the process's recursion limit to 2000: a refusal that came from RecursionError went with it
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    try:
+        with pytest.raises(ValueError, match="over 100 deep"):
+            calculate("-" * 999 + "1")
+    finally:
+        sys.setrecursionlimit(limit)
+    assert calculate("-" * 100 + "1") == 1 and calculate("2 + " * 100 + "2") == 202
 
 
 def test_a_division_by_zero_is_the_callers_to_report():
