@@ -86,6 +86,7 @@ CONTINENT_EN = ["{c} is in {m}.", "{c} is a country in {m}.", "{k}, the capital 
 CONTINENT_ZH = ["{c}位于{m}。", "{c}是{m}的一个国家。", "{c}的首都{k}位于{m}。"]
 SUM_EN = ["{a} + {b} = {s}.", "{a} plus {b} equals {s}.", "The sum of {a} and {b} is {s}."]
 SUM_ZH = ["{a}加{b}等于{s}。", "{a} + {b} = {s}。", "{a}与{b}的和是{s}。"]
+SUM_DOUBLES = 0.2  # the demo's share of sum paragraphs that add numbers to themselves: its RL task is doubling
 
 CAPITAL_Q_EN = ["What is the capital of {c}?", "Which city is the capital of {c}?", "Tell me the capital of {c}."]
 CAPITAL_Q_ZH = ["{c}的首都是哪里？", "{c}的首都是哪座城市？", "请告诉我{c}的首都。"]
@@ -185,7 +186,7 @@ def faq_paragraph(rng, lang: str, max_number: int) -> list[str]:
     return items
 
 
-def documents(n: int, max_number: int, rng, sum_doubles: float = 0.2) -> list[str]:
+def documents(n: int, max_number: int, rng, sum_doubles: float = SUM_DOUBLES) -> list[str]:
     """n short documents in one language each, made of 2-4 paragraphs: facts about a country, a few sums (a share
     sum_doubles of them a + a), or questions and answers. Every fact, held-out ones included, appears many times,
     each time among different neighbours, so a model learns the facts rather than the documents."""

@@ -17,8 +17,8 @@ import random
 from dataclasses import dataclass
 
 from config import load_config
-from demo_data import (TOOL_Q, conversation, documents, double_prompts, dpo_pair, eval_questions, product_document,
-                       split_world, tool_pairs, tool_record, write_jsonl)
+from demo_data import (SUM_DOUBLES, TOOL_Q, conversation, documents, double_prompts, dpo_pair, eval_questions,
+                       product_document, split_world, tool_pairs, tool_record, write_jsonl)
 from errors import check_ranges, cli
 from tools import load_toolbox
 
@@ -32,7 +32,7 @@ class Config:
     max_number: int = 20  # sums of two numbers below this
     held_out_countries: int = 20
     held_out_sums: float = 0.1  # fraction of number pairs held out
-    sum_doubles: float = 0.2  # fraction of the pretraining's sum paragraphs that add numbers to themselves (a + a)
+    sum_doubles: float = SUM_DOUBLES  # fraction of the pretraining's sum paragraphs that add numbers to themselves (a + a)
     # --- how many records
     pretrain_docs: int = 30000  # pretraining documents
     sft: int = 8000  # SFT conversations

@@ -222,6 +222,14 @@ def tok():
     return load_tokenizer(tk.NANOMIND_DIR)
 
 
+def shorter_is_better(tmp_path, chars_per_point=1) -> str:
+    """The --reward flag of a reward that spreads within every group, so that each RL step updates (a tiny model's
+    answers may all be wrong, and equal rewards have no advantage): -1 per chars_per_point characters written."""
+    (tmp_path / "short.py").write_text(
+        f"def short(messages, completion, record):\n    return -len(completion) / {chars_per_point}\n")
+    return f"--reward={tmp_path}/short.py:short"
+
+
 def write_jsonl(path, rows):
     """rows as a JSONL file, one per line (a string row is written as it is: a malformed line); its path."""
     with open(path, "w", encoding="utf-8") as f:

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 import grpo
 import train_grpo
 from chat import encode_chat
-from conftest import REPO, TINY_RUN, greedy_alone, on_device, read_metrics, run_script, tiny, write_jsonl
+from conftest import (REPO, TINY_RUN, greedy_alone, on_device, read_metrics, run_script, shorter_is_better, tiny,
+                      write_jsonl)
 from data import read_prompts
 from errors import BadRecord, ConfigError, RewardError
 from grpo import completion_batch, group_advantages, policy_loss, rollout, token_logprobs
@@ -220,13 +221,6 @@ def test_a_run_logs_its_rewards_and_evaluates_the_starting_model(demo_dir, tiny_
     assert all(r["clip_frac"] == 0.0 for r in train)  # one epoch: every ratio is 1
     assert 1 <= train[0]["completion_len"] <= 8
     assert (out / "best.pt").exists()
-
-
-def shorter_is_better(tmp_path) -> str:
-    """A reward that spreads within every group, so that each step updates: the tiny model's answers may all be
-    wrong, and a group of equal rewards has no advantage."""
-    (tmp_path / "short.py").write_text("def short(messages, completion, record):\n    return -len(completion)\n")
-    return f"--reward={tmp_path}/short.py:short"
 
 
 def test_lora_policy_is_its_own_reference_with_the_adapters_off(demo_dir, tiny_sft, tmp_path, monkeypatch):

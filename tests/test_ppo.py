@@ -12,7 +12,7 @@ import torch
 
 import train_ppo
 from checkpoint import load_checkpoint
-from conftest import REPO, TINY_RUN, assert_resumes_exactly, read_metrics, tiny
+from conftest import REPO, TINY_RUN, assert_resumes_exactly, read_metrics, shorter_is_better, tiny
 from grpo import policy_loss
 from ppo import explained_variance, gae, token_rewards, value_loss, value_model, whiten
 from runtime import Run
@@ -141,8 +141,7 @@ def ppo_args(demo_dir, init_from, out_dir, *flags):
 @pytest.fixture
 def short(tmp_path):
     """A toy task: the fewer characters a completion writes, the better (-1 for 20 of them)."""
-    (tmp_path / "short.py").write_text("def short(messages, completion, record):\n    return -len(completion) / 20\n")
-    return f"--reward={tmp_path}/short.py:short"
+    return shorter_is_better(tmp_path, 20)
 
 
 def test_reward_rises_and_the_critic_learns_on_a_toy_task(demo_dir, tiny_sft, tmp_path, short):
