@@ -294,31 +294,36 @@ def tools_client(tiny_tools):
 
 @pytest.mark.parametrize("language", ["en", "zh"])
 def test_an_agent_loop_with_a_model_that_calls_tools(tools_client, demo_dir, language):
-    """Asked a question of its training conversations, the model decides to call calculate_math; its call runs;
+    """Asked questions of its training conversations, the model decides to call calculate_math; its call runs;
     given the result, it answers with it. Plain and streamed (same seed, temperature 0) agree on both turns."""
-    with open(demo_dir / "tools_sft.jsonl", encoding="utf-8") as f:  # tiny_tools learnt the first few
-        records = [json.loads(line)["conversations"] for line in f]
+    with open(demo_dir / "tools_sft.jsonl", encoding="utf-8") as f:  # tiny_tools learnt the first 16
+        records = [json.loads(line)["conversations"] for line in list(f)[:16]]
     chinese = language == "zh"
-    system, question = next(r[:2] for r in records if bool(re.search("[\u4e00-\u9fff]", r[1]["content"])) == chinese)
-    assert system["tools"] == TOOLS  # the demo's tools are shown on the system message; the API takes them apart
-    messages = [{"role": "system", "content": system["content"]}, question]
-    first = ask(tools_client, messages, tools=TOOLS, seed=1)
-    assert first.choices[0].finish_reason == "tool_calls"
-    said = first.choices[0].message
-    streamed = assembled(ask(tools_client, messages, tools=TOOLS, seed=1, stream=True))
-    assert (streamed["finish"], streamed["content"] or None) == ("tool_calls", said.content)
-    assert [{**c, "id": None} for c in streamed["calls"]] == [{**c, "id": None} for c in calls_of(said)]
-    messages.append(said.model_dump(exclude_none=True))
-    for call in said.tool_calls:
-        assert call.function.name == "calculate_math"
-        messages.append({"role": "tool", "tool_call_id": call.id,
-                         "content": TOOLBOX.run(call.function.name, json.loads(call.function.arguments))})
-    result = json.loads(messages[-1]["content"])["result"]
-    final = ask(tools_client, messages, tools=TOOLS, seed=1)
-    assert final.choices[0].finish_reason == "stop" and not final.choices[0].message.tool_calls
-    assert str(result) in final.choices[0].message.content
-    streamed = assembled(ask(tools_client, messages, tools=TOOLS, seed=1, stream=True))
-    assert (streamed["content"], streamed["calls"], streamed["finish"]) == (final.choices[0].message.content, [], "stop")
+    asked = [r[:2] for r in records if bool(re.search("[\u4e00-\u9fff]", r[1]["content"])) == chinese][:3]
+    stated = 0
+    for system, question in asked:
+        assert system["tools"] == TOOLS  # the demo's tools are shown on the system message; the API takes them apart
+        messages = [{"role": "system", "content": system["content"]}, question]
+        first = ask(tools_client, messages, tools=TOOLS, seed=1)
+        assert first.choices[0].finish_reason == "tool_calls"
+        said = first.choices[0].message
+        streamed = assembled(ask(tools_client, messages, tools=TOOLS, seed=1, stream=True))
+        assert (streamed["finish"], streamed["content"] or None) == ("tool_calls", said.content)
+        assert [{**c, "id": None} for c in streamed["calls"]] == [{**c, "id": None} for c in calls_of(said)]
+        messages.append(said.model_dump(exclude_none=True))
+        for call in said.tool_calls:
+            assert call.function.name == "calculate_math"
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": TOOLBOX.run(call.function.name, json.loads(call.function.arguments))})
+        result = json.loads(messages[-1]["content"])["result"]
+        final = ask(tools_client, messages, tools=TOOLS, seed=1)
+        assert final.choices[0].finish_reason == "stop" and not final.choices[0].message.tool_calls
+        stated += str(result) in final.choices[0].message.content
+        streamed = assembled(ask(tools_client, messages, tools=TOOLS, seed=1, stream=True))
+        assert (streamed["content"], streamed["calls"], streamed["finish"]) == (
+            final.choices[0].message.content, [], "stop")
+    # a call with another conversation's numbers gets that one's remembered answer: 15-16 of the 16 are right
+    assert stated >= 2, stated  # (tiny_tools built on 1 and 2 threads and from three seeds), so one miss is rounding
 
 
 def test_a_forced_call_the_model_botches_comes_back_as_content(client, hf):
