@@ -32,7 +32,7 @@ class Config:
     max_number: int = 20  # sums of two numbers below this
     held_out_countries: int = 20
     held_out_sums: float = 0.1  # fraction of number pairs held out
-    sum_doubles: float = SUM_DOUBLES  # fraction of the pretraining's sum paragraphs that add numbers to themselves (a + a)
+    sum_doubles: float = SUM_DOUBLES  # share of the pretraining's sum paragraphs that are a + a
     # --- how many records
     pretrain_docs: int = 30000  # pretraining documents
     sft: int = 8000  # SFT conversations
