@@ -56,7 +56,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping
     # --- schedule: linear warmup to lr, cosine decay to min_lr, stepped once per optimizer step
     warmup_steps: int = 1000
-    warmup_ratio: float | None = None  # if set: warmup_steps = warmup_ratio * max_steps
+    warmup_ratio: float | None = None  # if set: warmup_steps = warmup_ratio * max_steps (set warmup_steps=0)
     # --- logging, evaluation, checkpoints
     log_interval: int = 10  # a console line and a metrics.jsonl row every this many steps
     eval_interval: int = 2000  # validation loss (and best.pt) every this many steps, and at the end
@@ -376,11 +376,14 @@ RANGES = {
 
 
 def check_train_ranges(config: TrainConfig):
-    """The first key of config outside its range (RANGES, then min_lr <= lr) as a ConfigError: key, rule, value."""
+    """The first key of config outside its range (RANGES, then min_lr <= lr, then one warmup) as a ConfigError."""
     check_ranges(config, {key: rule for cls in reversed(type(config).__mro__)
                           for key, rule in RANGES.get(cls, {}).items()})
     if config.min_lr > config.lr:  # the cosine would climb from lr to min_lr
         raise ConfigError(f"config key 'min_lr' must be at most lr ({config.lr!r}), got {config.min_lr!r}")
+    if config.warmup_ratio is not None and config.warmup_steps:  # the ratio would win, the steps be ignored
+        raise ConfigError(f"config keys 'warmup_steps' ({config.warmup_steps!r}) and 'warmup_ratio' "
+                          f"({config.warmup_ratio!r}) both set the warmup: set warmup_steps=0 or warmup_ratio=None")
 
 
 # -----------------------------------------------------------------------------

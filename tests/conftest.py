@@ -143,7 +143,7 @@ def tiny_tools(demo_dir, tmp_path_factory):
                          "--dim=64", "--n_layers=2", "--n_heads=4", "--n_kv_heads=2", f"--max_seq_len={TOOLS_CONTEXT}",
                          "--batch_size=4", "--max_steps=1", "--eval_interval=1"])
     train_sft.main([f"--init_from={out}/pretrain/best.pt", f"--data_path={out}/tools_16.jsonl", f"--out_dir={out}/sft",
-                    *TINY_RUN, "--batch_size=8", "--lr=1e-2", "--min_lr=1e-3", "--warmup_steps=10", "--max_steps=400",
+                    *TINY_RUN, "--batch_size=8", "--lr=1e-2", "--min_lr=1e-3", "--max_steps=400",
                     "--eval_interval=400", "--val_data_path=" + str(out / "tools_16.jsonl"), "--log_interval=50",
                     "--early_stopping_patience=1000", f"--max_seq_len={TOOLS_CONTEXT}",
                     "--pack=False"])  # a conversation fills a row either way; the recipe was found with these batches

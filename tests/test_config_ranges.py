@@ -92,6 +92,8 @@ BAD_TOGETHER = [
     ("train_pretrain.py", ["--head_dim=3"], "head_dim"),
     ("train_distill.py", ["--n_experts=2", "--experts_per_token=3"], "experts_per_token"),
     ("train_pretrain.py", ["--rope_scaling=linear"], "rope_scaling"),
+    ("train_sft.py", ["--warmup_steps=100"], "warmup_ratio"),  # SFT's 5% ratio won and the 100 steps were ignored
+    ("train_pretrain.py", ["--warmup_ratio=0.1"], "warmup_steps"),  # beside pretraining's 1000 steps
 ]
 
 # values at the edge of a range, which must be accepted: (script, flags)
@@ -100,16 +102,16 @@ EDGES = [
                            "--grad_log_interval=0", "--peak_flops=0", "--beta1=0", "--beta2=0", "--dropout=0",
                            "--muon_momentum=0", "--max_steps=1", "--batch_size=1", "--log_interval=1"]),
     ("train_pretrain.py", ["--seed=4294967295", "--lr=1e-3", "--min_lr=1e-3", "--beta2=0.9999", "--val_fraction=0.999",
-                           "--warmup_ratio=0", "--n_experts=0", "--router_aux_loss_coef=0", "--rope_factor=1",
-                           "--n_layers=1", "--n_heads=1", "--n_kv_heads=1", "--dim=2", "--max_seq_len=1",
-                           "--vocab_size=1", "--ffn_dim=1", "--dropout=0.999"]),
-    ("train_pretrain.py", ["--warmup_ratio=0.999", "--optimizer=muon", "--lr=1e-9", "--min_lr=0", "--muon_lr=1e-9",
-                           "--n_experts=4", "--experts_per_token=4", "--moe_ffn_dim=1", "--head_dim=2",
-                           "--rope_scaling=yarn", "--rope_attention_factor=1e-3", "--rope_theta=1.001"]),
+                           "--warmup_ratio=0", "--warmup_steps=0", "--n_experts=0", "--router_aux_loss_coef=0",
+                           "--rope_factor=1", "--n_layers=1", "--n_heads=1", "--n_kv_heads=1", "--dim=2",
+                           "--max_seq_len=1", "--vocab_size=1", "--ffn_dim=1", "--dropout=0.999"]),
+    ("train_pretrain.py", ["--warmup_ratio=0.999", "--warmup_steps=0", "--optimizer=muon", "--lr=1e-9", "--min_lr=0",
+                           "--muon_lr=1e-9", "--n_experts=4", "--experts_per_token=4", "--moe_ffn_dim=1",
+                           "--head_dim=2", "--rope_scaling=yarn", "--rope_attention_factor=1e-3", "--rope_theta=1.001"]),
     ("train_sft.py", ["--dropout=0", "--lora_rank=0", "--lora_dropout=0", "--early_stopping_threshold=0",
                       "--early_stopping_patience=1", "--max_seq_len=1", "--warmup_ratio=0"]),
     ("train_sft.py", ["--lora_rank=1", "--lora_alpha=1e-3", "--lora_dropout=0.5", "--warmup_ratio=None",
-                      "--max_steps=None"]),
+                      "--warmup_steps=100", "--max_steps=None"]),
     ("train_dpo.py", ["--beta=1e-3", "--max_prompt_length=1", "--max_completion_length=1", "--lr=0", "--min_lr=0"]),
     ("train_reward.py", ["--lora_rank=0", "--max_prompt_length=1", "--max_completion_length=1"]),
     ("train_grpo.py", ["--beta=0", "--top_p=1", "--clip_high=1", "--group_size=2", "--max_new_tokens=1",

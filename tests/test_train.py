@@ -11,8 +11,8 @@ from optim import get_lr
 
 
 def test_loss_falls_and_the_schedule_steps_once_per_optimizer_step(demo_dir, tmp_path):
-    pretrain(demo_dir, tmp_path, "--max_steps=40", "--accum_steps=2", "--batch_size=4", "--warmup_ratio=0.25",
-             "--eval_interval=20")
+    pretrain(demo_dir, tmp_path, "--max_steps=40", "--accum_steps=2", "--batch_size=4", "--warmup_steps=0",
+             "--warmup_ratio=0.25", "--eval_interval=20")
     rows = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert [r["step"] for r in rows] == list(range(1, 41))
     for r in rows:  # the row of step s reports the lr its update used: get_lr(s - 1), warmup 10 = 0.25 * 40
