@@ -364,16 +364,18 @@ PRODUCT_EN = ["{a} × {b} = {p}.", "{a} times {b} is {p}.", "The product of {a} 
 PRODUCT_ZH = ["{a}乘以{b}等于{p}。", "{a}和{b}的乘积是{p}。", "{a}乘{b}得{p}。", "{a}乘以{b}等于多少？等于{p}。"]
 
 
-def product_document(rng) -> str:
+def product_document(rng, tools: list[dict]) -> str:
     """Pretraining text for the tool task: a product stated two to four times, or a question worked through with
     the calculator in plain text; either way the model learns to copy numbers from one place to the next (it cannot
-    learn the products: a tool computes them). The questions are SFT's phrasings only (TOOL_Q[:5])."""
+    learn the products: a tool computes them). The questions are SFT's phrasings only (TOOL_Q[:5]), and follow the
+    tools' descriptions, as in a chat: the model learns to find the question's numbers past the description's."""
     a, b = rng.randint(10, 99), rng.randint(10, 99)
     if rng.random() < 0.5:
         return " ".join(rng.choice(PRODUCT_EN + PRODUCT_ZH).format(a=a, b=b, p=a * b) for _ in range(rng.randint(2, 4)))
     question = rng.choice(TOOL_Q[:5]).format(a=a, b=b)
     answer = TOOL_A["zh" if "乘" in question else "en"].format(p=a * b)
-    return (f'{question}\ncalculate_math {{"expression": "{a} * {b}"}}\n{{"result": {a * b}}}\n{answer}')
+    described = "\n".join(json.dumps(tool) for tool in tools)
+    return f'{described}\n{question}\ncalculate_math {{"expression": "{a} * {b}"}}\n{{"result": {a * b}}}\n{answer}'
 
 
 def tool_pairs(rng, n: int, low: int = 10, high: int = 99) -> list[tuple[int, int]]:

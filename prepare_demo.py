@@ -82,7 +82,8 @@ def main(argv: list[str]):
     rng.shuffle(pairs)
     ask = lambda a, b, phrasings: rng.choice(phrasings).format(a=a, b=b)  # noqa: E731
     sft_pairs, rl_pairs = pairs[: args.tool_sft], pairs[args.tool_sft : args.tool_sft + args.tool_rl]
-    write_jsonl(f"{args.out_dir}/tools_pretrain.jsonl", ({"text": product_document(rng)} for _ in range(args.tool_docs)))
+    write_jsonl(f"{args.out_dir}/tools_pretrain.jsonl",
+                ({"text": product_document(rng, schemas)} for _ in range(args.tool_docs)))
     write_jsonl(f"{args.out_dir}/tools_sft.jsonl",  # SFT's five phrasings; RL and the evaluation ask all eight
                 [tool_record(a, b, ask(a, b, TOOL_Q[:5]), schemas) for a, b in sft_pairs])
     write_jsonl(f"{args.out_dir}/tools_rl.jsonl",
