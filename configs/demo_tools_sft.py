@@ -8,8 +8,8 @@ pack = False  # padded batches, as this recipe's figures were measured
 max_seq_len = 384
 flash = True
 batch_size = 16
-# 400 steps: on the Intel Xeon every seed and attention path measured has learnt the phrasings SFT shows by then,
-# whenever its climb comes; one start on an AMD Zen 3 has not (docs/tools.md); agent RL teaches the new ones
+# 400 steps: by then the score no longer hangs on the step where its climb came, for every seed and attention path
+# measured (docs/tools.md); agent RL teaches the phrasings SFT never showed
 max_steps = 400
 lr = 2e-3
 min_lr = 2e-4
