@@ -176,19 +176,29 @@ def signal_and_stop_steps(output: str) -> tuple[int, int]:
     return int(received[1]), int(stopped[1])
 
 
-def wait_for_training(proc, log, seconds: float = 3):
-    """Until the run prints its parameter count (the loop is about to start), then a few seconds more."""
+def wait_for_training(proc, log, pid: int, seconds: float = 3):
+    """Until process pid catches SIGTERM (its loop is about to start: the handler that saves and stops is in place;
+    under load one rank can be seconds behind the other), then a few seconds more."""
     deadline = time.time() + 120
-    while "parameters" not in log.read_text():
+    while not catches_sigterm(pid):
         assert proc.poll() is None and time.time() < deadline, log.read_text()[-2000:]
         time.sleep(0.05)
     time.sleep(seconds)
 
 
+def catches_sigterm(pid: int) -> bool:
+    """The process has a handler for SIGTERM (bit 15 of /proc's SigCgt mask): before it, the signal kills it."""
+    try:
+        status = open(f"/proc/{pid}/status").read()
+    except OSError:  # it has exited: the caller's poll() says so with the log
+        return False
+    return bool(int(re.search(r"SigCgt:\s*([0-9a-f]+)", status)[1], 16) >> (signal.SIGTERM - 1) & 1)
+
+
 def test_sigterm_saves_after_the_step_it_arrives_in_with_no_log_line_for_thousands_of_steps(demo_dir, tmp_path, start):
     log = tmp_path / "run.log"
     proc = start(pretrain_argv(demo_dir, tmp_path / "out", *NO_LOG), log)
-    wait_for_training(proc, log)
+    wait_for_training(proc, log, proc.pid)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     received, stopped = signal_and_stop_steps(log.read_text())
@@ -201,14 +211,23 @@ def test_sigterm_to_one_rank_stops_both_ranks_within_a_step(demo_dir, tmp_path, 
     argv = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             *pretrain_argv(demo_dir, out, *NO_LOG)]
     proc = start(argv, log)
-    wait_for_training(proc, log)
-    rank1 = [pid for pid in worker_pids(proc.pid) if environ(pid).get("RANK") == "1"]
-    assert len(rank1) == 1, log.read_text()[-3000:]
-    os.kill(rank1[0], signal.SIGTERM)  # rank 1 alone: rank 0 must learn of it from the step's collective
+    rank1 = worker_with_rank(proc, log, "1")
+    wait_for_training(proc, log, rank1)
+    os.kill(rank1, signal.SIGTERM)  # rank 1 alone: rank 0 must learn of it from the step's collective
     assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     received, stopped = signal_and_stop_steps(log.read_text())
     assert stopped - received in (0, 1)  # the vote rides on the step's all-reduce: the next step at the latest
     assert [p.name for p in out.glob("step_*.pt")] == [f"step_{stopped:07d}.pt"]
+
+
+def worker_with_rank(proc, log, rank: str) -> int:
+    """The pid of torchrun's worker with that RANK, once it has started."""
+    deadline = time.time() + 120
+    while not (pids := [pid for pid in worker_pids(proc.pid) if environ(pid).get("RANK") == rank]):
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-2000:]
+        time.sleep(0.05)
+    assert len(pids) == 1, pids
+    return pids[0]
 
 
 def worker_pids(parent: int) -> list[int]:
@@ -216,7 +235,11 @@ def worker_pids(parent: int) -> list[int]:
     found, frontier = [], [parent]
     while frontier:
         pid = frontier.pop()
-        for child in open(f"/proc/{pid}/task/{pid}/children").read().split():
+        try:
+            children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+        except OSError:  # exited since its parent listed it
+            continue
+        for child in children:
             found.append(int(child))
             frontier.append(int(child))
     return found
