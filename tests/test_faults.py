@@ -52,8 +52,8 @@ def run(argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def start():
-    """start(argv, log_path): a script as a process (and its children: torchrun's workers, in its own process
-    group), killed at the test's end if still running."""
+    """start(argv, log_path): a script as a process in its own process group, killed at the test's end if still
+    running, with every process below it (torchrun starts each worker in a session of its own)."""
     started = []
 
     def start(argv: list[str], log_path) -> subprocess.Popen:
@@ -65,7 +65,13 @@ def start():
     yield start
     for proc in started:
         if proc.poll() is None:
+            workers = worker_pids(proc.pid)  # before the kill: orphans are no longer below it
             os.killpg(proc.pid, signal.SIGKILL)
+            for pid in workers:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             proc.wait()
 
 
