@@ -185,11 +185,17 @@ def signal_and_stop_steps(output: str) -> tuple[int, int]:
 def wait_for_training(proc, log, pid: int, seconds: float = 3):
     """Until process pid catches SIGTERM (its loop is about to start: the handler that saves and stops is in place;
     under load one rank can be seconds behind the other), then a few seconds more."""
+    wait_until(proc, log, lambda: catches_sigterm(pid))
+    time.sleep(seconds)
+
+
+def wait_until(proc, log, found):
+    """found()'s first true value, polled while the run is alive, for two minutes at most."""
     deadline = time.time() + 120
-    while not catches_sigterm(pid):
+    while not (value := found()):
         assert proc.poll() is None and time.time() < deadline, log.read_text()[-2000:]
         time.sleep(0.05)
-    time.sleep(seconds)
+    return value
 
 
 def catches_sigterm(pid: int) -> bool:
@@ -228,10 +234,7 @@ def test_sigterm_to_one_rank_stops_both_ranks_within_a_step(demo_dir, tmp_path, 
 
 def worker_with_rank(proc, log, rank: str) -> int:
     """The pid of torchrun's worker with that RANK, once it has started."""
-    deadline = time.time() + 120
-    while not (pids := [pid for pid in worker_pids(proc.pid) if environ(pid).get("RANK") == rank]):
-        assert proc.poll() is None and time.time() < deadline, log.read_text()[-2000:]
-        time.sleep(0.05)
+    pids = wait_until(proc, log, lambda: [pid for pid in worker_pids(proc.pid) if environ(pid).get("RANK") == rank])
     assert len(pids) == 1, pids
     return pids[0]
 
