@@ -94,6 +94,18 @@ def pick_dtype(dtype: str, device_type: str) -> str:
     return "float32"
 
 
+def cpu_vendor() -> str:
+    """The CPU's maker as Linux names it (GenuineIntel, AuthenticAMD); '' where /proc/cpuinfo does not say."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def keep_freed_memory():
     """On a CPU, glibc returns every freed buffer over 32 MB to the kernel, and each step then page-faults its
     logits and attention buffers in again; keep freed memory in the heap for reuse instead (figures:

@@ -426,13 +426,15 @@ def test_a_text_stream_decodes_a_bounded_number_of_ids_per_token(vocab):
     assert stream.sent + stream.finish() == reply.strip(" ")
 
 
-@pytest.mark.parametrize("flash", [True, False])
-def test_a_compiled_model_decodes_what_the_eager_one_does(flash):
-    """engine.compiled (sample.py and serve.py --compile): prompts prefilled together and alone, rows in lockstep,
-    rows joining and leaving the batch at their own positions, one row alone: the tokens of the eager model. The
-    compiled kernels sum in their own order, so the logits agree to rounding, not bit for bit."""
+@pytest.mark.parametrize("flash,freeze", [(True, False), (False, False), (True, True)])
+def test_a_compiled_model_decodes_what_the_eager_one_does(flash, freeze):
+    """engine.compiled (sample.py and serve.py --compile), its weights inputs of the graph or frozen into it (on
+    any CPU, whichever its vendor picks): prompts prefilled together and alone, rows in lockstep, rows joining and
+    leaving the batch at their own positions, one row alone: the tokens of the eager model. The compiled kernels
+    sum in their own order, so the logits agree to rounding, not bit for bit."""
+    torch._dynamo.reset()  # the graphs earlier tests compiled count toward dynamo's limit, past which it runs eager
     eager = sharpen(tiny(flash=flash)).eval()
-    fast = compiled(copy.deepcopy(eager))
+    fast = compiled(copy.deepcopy(eager), freeze=freeze)
     batch = ids(eager, B=3, T=7)
     with torch.no_grad():
         assert torch.allclose(fast(batch)[0], eager(batch)[0], rtol=0, atol=1e-4)
@@ -451,3 +453,7 @@ def test_a_compiled_model_decodes_what_the_eager_one_does(flash):
     assert served(fast) == served(eager)
     assert run(fast, batch, 12) == run(eager, batch, 12)
     assert run(fast, batch[:1], 12) == run(eager, batch[:1], 12)
+    with torch.no_grad():  # frozen, the graph keeps the weights it was compiled with; else it reads the model's
+        before = fast(batch)[0]
+        fast.layers[0].attention.wq.weight.mul_(2)
+        assert torch.equal(fast(batch)[0], before) == freeze
