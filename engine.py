@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from chat import encode_chat
-from runtime import cpu_vendor
+from runtime import cpu_info
 
 
 def compiled(model, freeze: bool | None = None):
@@ -36,7 +36,7 @@ def compiled(model, freeze: bool | None = None):
     Intel Xeon MKL's were the faster (docs/performance.md); None freezes on AMD CPUs alone. A frozen model changed
     after compiling runs its old weights, so compile only a model whose weights are final (sample.py, serve.py)."""
     if freeze is None:
-        freeze = next(model.parameters()).device.type == "cpu" and cpu_vendor() == "AuthenticAMD"
+        freeze = next(model.parameters()).device.type == "cpu" and cpu_info().get("vendor_id") == "AuthenticAMD"
     # "freezing" among the options keeps frozen and unfrozen graphs apart in dynamo's cache of Transformer.forward
     forward = torch.compile(model.forward, dynamic=True, options={"cpp_wrapper": True, "freezing": freeze})
     if freeze:

@@ -94,16 +94,13 @@ def pick_dtype(dtype: str, device_type: str) -> str:
     return "float32"
 
 
-def cpu_vendor() -> str:
-    """The CPU's maker as Linux names it (GenuineIntel, AuthenticAMD); '' where /proc/cpuinfo does not say."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+def cpu_info() -> dict[str, str]:
+    """The first CPU's fields in Linux's /proc/cpuinfo (model name, vendor_id, flags, ...); {} where there is none."""
+    if not os.path.exists("/proc/cpuinfo"):
+        return {}
+    with open("/proc/cpuinfo") as f:
+        first_cpu = [line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line]
+    return {k.strip(): v.strip() for k, v in first_cpu}
 
 
 def keep_freed_memory():

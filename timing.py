@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from runtime import cpu_info
+
 
 def fastest_and_median(steps: list, speed) -> tuple:
     """The fastest of the timed steps by speed(step), and the median one (the lower median)."""
@@ -118,10 +120,8 @@ def calls_per_second(fn, min_calls: int = 10, min_seconds: float = 2.0) -> float
 def machine() -> dict:
     """CPU model, cores, the AVX-512 flags that matter to matmul speed, torch version and threads."""
     cpu, flags = platform.processor() or platform.machine(), set()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            first_cpu = [line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line]
-        info = {k.strip(): v.strip() for k, v in first_cpu}
+    info = cpu_info()
+    if info:
         cpu, flags = info.get("model name", cpu), set(info.get("flags", "").split())
     flags &= {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
     return {"cpu": cpu, "cores": os.cpu_count(), "cpu_flags": sorted(flags),
