@@ -26,19 +26,27 @@ from chat import encode_chat
 from runtime import cpu_info
 
 
-def compiled(model, freeze: bool | None = None):
+def compiled(model, freeze: bool | None = None, matvec: bool | None = None):
     """The model, its forward compiled by torch.compile with dynamic shapes: a batch, a prompt and a cache position
     of any size share one compiled graph per kind of call (prefill, rows in lockstep, rows at their own positions)
     instead of one per size. Each kind compiles at its first call (one to three minutes on a 2-core CPU); then a
     decode step runs as fused kernels and matrix products called from C++ (cpp_wrapper), without Python between
     them. freeze=True makes the weights constants of the graph (inductor's freezing), which it prepacks for oneDNN's
     matrix products: on an AMD EPYC they decoded 8 streams 1.6x as fast as MKL's, PyTorch's default, while on an
-    Intel Xeon MKL's were the faster (docs/performance.md); None freezes on AMD CPUs alone. A frozen model changed
-    after compiling runs its old weights, so compile only a model whose weights are final (sample.py, serve.py)."""
-    if freeze is None:
-        freeze = next(model.parameters()).device.type == "cpu" and cpu_info().get("vendor_id") == "AuthenticAMD"
-    # "freezing" among the options keeps frozen and unfrozen graphs apart in dynamo's cache of Transformer.forward
-    forward = torch.compile(model.forward, dynamic=True, options={"cpp_wrapper": True, "freezing": freeze})
+    Intel Xeon MKL's were the faster (docs/performance.md). matvec=True writes a one-row product (one stream's
+    decode step) as a multiply-and-sum that inductor compiles into a loop of its own, reading each weight row once
+    at near memory speed: on an AMD EPYC one stream decoded 2x as fast as with oneDNN's product. None turns either on for
+    AMD CPUs alone, where they were measured. A frozen model changed after compiling runs its old weights, so
+    compile only a model whose weights are final (sample.py, serve.py)."""
+    from torch._inductor.compile_fx import compile_fx
+    amd = next(model.parameters()).device.type == "cpu" and cpu_info().get("vendor_id") == "AuthenticAMD"
+    freeze = amd if freeze is None else freeze
+    matvec = amd if matvec is None else matvec
+    decompositions = one_row_products() if matvec else None
+
+    def inductor(graph, example_inputs):  # a backend of its own per call: graphs of other settings are not reused
+        return compile_fx(graph, example_inputs, config_patches={"cpp_wrapper": True}, decompositions=decompositions)
+    forward = torch.compile(model.forward, dynamic=True, backend=inductor)
     if freeze:
         def frozen_forward(*args, **kwargs):
             with torch._inductor.config.patch(freezing=True):  # read while a call is traced, not from the options
@@ -47,6 +55,25 @@ def compiled(model, freeze: bool | None = None):
     else:
         model.forward = forward
     return model
+
+
+def one_row_products() -> dict:
+    """Inductor's decompositions, where a float32 matrix product of one row on a CPU, x (1, K) @ w.t() (K, N),
+    becomes (x * w).sum(-1): a reduction inductor vectorizes along K and fuses with the ops around it."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    table = dict(select_decomp_table())
+    mm = table.get(torch.ops.aten.mm.default)
+
+    def product(a, b, out_dtype=None):
+        if (a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 and out_dtype is None
+                and statically_known_true(a.size(0) == 1)):
+            return (a[:, None, :] * b.t()[None, :, :]).sum(-1)
+        if mm is None:
+            return NotImplemented  # inductor lowers the product as it would have
+        return mm(a, b) if out_dtype is None else mm(a, b, out_dtype)
+    table[torch.ops.aten.mm.default] = product
+    return table
 
 
 class KVCache:
