@@ -35,9 +35,9 @@ def compiled(model, freeze: bool | None = None, matvec: bool | None = None):
     matrix products: on an AMD EPYC they decoded 8 streams 1.6x as fast as MKL's, PyTorch's default, while on an
     Intel Xeon MKL's were the faster (docs/performance.md). matvec=True writes a one-row product (one stream's
     decode step) as a multiply-and-sum that inductor compiles into a loop of its own, reading each weight row once
-    at near memory speed: on an AMD EPYC one stream decoded 2x as fast as with oneDNN's product. None turns either on for
-    AMD CPUs alone, where they were measured. A frozen model changed after compiling runs its old weights, so
-    compile only a model whose weights are final (sample.py, serve.py)."""
+    at near memory speed: on an AMD EPYC one stream decoded 2x as fast as with oneDNN's products. None turns
+    either on for AMD CPUs alone, where they were measured. A frozen model changed after compiling runs its old
+    weights, so compile only a model whose weights are final (sample.py, serve.py)."""
     from torch._inductor.compile_fx import compile_fx
     amd = next(model.parameters()).device.type == "cpu" and cpu_info().get("vendor_id") == "AuthenticAMD"
     freeze = amd if freeze is None else freeze
