@@ -49,7 +49,7 @@ def compiled(model, freeze: bool | None = None, matvec: bool | None = None):
     forward = torch.compile(model.forward, dynamic=True, backend=inductor)
     if freeze:
         def frozen_forward(*args, **kwargs):
-            with torch._inductor.config.patch(freezing=True):  # read while a call is traced, not from the options
+            with torch._inductor.config.patch(freezing=True):  # read as dynamo traces: compile_fx patches it too late
                 return forward(*args, **kwargs)
         model.forward = frozen_forward
     else:
