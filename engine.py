@@ -69,9 +69,7 @@ def one_row_products() -> dict:
         if (a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 and out_dtype is None
                 and statically_known_true(a.size(0) == 1)):
             return (a[:, None, :] * b.t()[None, :, :]).sum(-1)
-        if mm is None:
-            return NotImplemented  # inductor lowers the product as it would have
-        return mm(a, b) if out_dtype is None else mm(a, b, out_dtype)
+        return NotImplemented if mm is None else mm(a, b, out_dtype)  # NotImplemented: lowered as it was
     table[torch.ops.aten.mm.default] = product
     return table
 
