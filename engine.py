@@ -17,6 +17,7 @@ Generation, written once: sample.py, serve.py, eval.py, eval_demo.py and bench.p
 A row that stops (at a stop string, a tool call) can go on later as a new row whose prompt is everything so far
 plus what comes next: the model continues a cache at any position (Transformer.hidden_states).
 """
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -26,52 +27,57 @@ from chat import encode_chat
 from runtime import cpu_info
 
 
-def compiled(model, freeze: bool | None = None, matvec: bool | None = None):
+def compiled(model, freeze: bool | None = None, gemm: bool | None = None):
     """The model, its forward compiled by torch.compile with dynamic shapes: a batch, a prompt and a cache position
     of any size share one compiled graph per kind of call (prefill, rows in lockstep, rows at their own positions)
     instead of one per size. Each kind compiles at its first call (one to three minutes on a 2-core CPU); then a
     decode step runs as fused kernels and matrix products called from C++ (cpp_wrapper), without Python between
     them. freeze=True makes the weights constants of the graph (inductor's freezing), which it prepacks for oneDNN's
     matrix products: on an AMD EPYC they decoded 8 streams 1.6x as fast as MKL's, PyTorch's default, while on an
-    Intel Xeon MKL's were the faster (docs/performance.md). matvec=True writes a one-row product (one stream's
-    decode step) as a multiply-and-sum that inductor compiles into a loop of its own, reading each weight row once
-    at near memory speed: on an AMD EPYC one stream decoded 2x as fast as with oneDNN's products. None turns
-    either on for AMD CPUs alone, where they were measured. A frozen model changed after compiling runs its old
-    weights, so compile only a model whose weights are final (sample.py, serve.py)."""
+    Intel Xeon MKL's were the faster (docs/performance.md). gemm=True (frozen weights only) has inductor write the
+    products of a decode step (one token a row) as C++ kernels of its own, blocked for these weights and the CPU's
+    vector width: on an AMD EPYC one stream decoded 2x and 8 streams 1.3x as fast as with oneDNN's; a prompt's
+    prefill keeps oneDNN's, faster at hundreds of rows. None turns either on for AMD CPUs alone, where they were
+    measured. A frozen model changed after compiling runs its old weights, so compile only a model whose weights
+    are final (sample.py, serve.py)."""
     from torch._inductor.compile_fx import compile_fx
     amd = next(model.parameters()).device.type == "cpu" and cpu_info().get("vendor_id") == "AuthenticAMD"
     freeze = amd if freeze is None else freeze
-    matvec = amd if matvec is None else matvec
-    decompositions = one_row_products() if matvec else None
+    gemm = amd if gemm is None else gemm
+    if gemm and not freeze:
+        raise ValueError("engine.compiled: gemm=True needs freeze=True (inductor's kernels take constant weights)")
 
     def inductor(graph, example_inputs):  # a backend of its own per call: graphs of other settings are not reused
-        return compile_fx(graph, example_inputs, config_patches={"cpp_wrapper": True}, decompositions=decompositions)
+        with own_kernels_untimed():
+            return compile_fx(graph, example_inputs, config_patches={"cpp_wrapper": True})
     forward = torch.compile(model.forward, dynamic=True, backend=inductor)
-    if freeze:
-        def frozen_forward(*args, **kwargs):
-            with torch._inductor.config.patch(freezing=True):  # read as dynamo traces: compile_fx patches it too late
-                return forward(*args, **kwargs)
-        model.forward = frozen_forward
-    else:
-        model.forward = forward
+
+    def compiled_forward(idx, *args, **kwargs):  # settings read as dynamo traces: compile_fx patches them too late
+        decode = gemm and idx.size(1) == 1  # a graph of its own: dynamo specializes a size of 1
+        with torch._inductor.config.patch(freezing=freeze, max_autotune_gemm=decode,
+                                          max_autotune_gemm_backends="CPP,ATEN"):
+            return forward(idx, *args, **kwargs)
+    model.forward = compiled_forward
     return model
 
 
-def one_row_products() -> dict:
-    """Inductor's decompositions, where a float32 matrix product of one row on a CPU, x (1, K) @ w.t() (K, N),
-    becomes (x * w).sum(-1): a reduction inductor vectorizes along K and fuses with the ops around it."""
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-    table = dict(select_decomp_table())
-    mm = table.get(torch.ops.aten.mm.default)
+@contextlib.contextmanager
+def own_kernels_untimed():
+    """Where inductor offers a C++ kernel of its own for a product (its GEMM template: constant weights), take it
+    without timing it against the library's call: no seconds of timing a product at compile time, and the same
+    kernels every run. Products it has none for (attention's) keep the library's."""
+    from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller
+    from torch._inductor.select_algorithm import get_algorithm_selector_cache
 
-    def product(a, b, out_dtype=None):
-        if (a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 and out_dtype is None
-                and statically_known_true(a.size(0) == 1)):
-            return (a[:, None, :] * b.t()[None, :, :]).sum(-1)
-        return NotImplemented if mm is None else mm(a, b, out_dtype)  # NotImplemented: lowered as it was
-    table[torch.ops.aten.mm.default] = product
-    return table
+    def prefer_own(choices):
+        own = [c for c in choices if isinstance(getattr(c, "_wrapped", c), CppTemplateCaller)]  # some come wrapped
+        return own[:1] or choices
+    steps = get_algorithm_selector_cache().preprocessing_fns
+    steps.append(prefer_own)
+    try:
+        yield
+    finally:
+        steps.remove(prefer_own)
 
 
 class KVCache:

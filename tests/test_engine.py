@@ -9,7 +9,7 @@ import torch
 import model as model_py
 from conftest import bound, tiny
 from engine import (Engine, KVCache, Row, Sampling, TextStream, borders, compiled, complete, generate,
-                    one_row_products, overlap, prompt_ids, sample_next)
+                    overlap, prompt_ids, sample_next)
 from model import Transformer
 from openai_api import MAX_STOP_CHARS
 from tokenizer import NANOMIND_DIR, load_tokenizer
@@ -426,26 +426,36 @@ def test_a_text_stream_decodes_a_bounded_number_of_ids_per_token(vocab):
     assert stream.sent + stream.finish() == reply.strip(" ")
 
 
-def test_only_a_one_row_float32_product_becomes_a_multiply_and_sum():
-    from torch.fx.experimental.proxy_tensor import make_fx
-    weight = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
-    for rows, dtype, products in ((1, torch.float32, 0), (3, torch.float32, 1), (1, torch.float64, 1)):
-        x = torch.randn(rows, 4, generator=torch.Generator().manual_seed(1), dtype=dtype)
-        graph = make_fx(lambda x: x @ weight.to(dtype).t(), decomposition_table=one_row_products())(x)
-        assert sum(node.target == torch.ops.aten.mm.default for node in graph.graph.nodes) == products
-        assert torch.allclose(graph(x), x @ weight.to(dtype).t(), rtol=0, atol=1e-6)
+def test_a_decode_step_takes_inductors_own_product_kernels_untimed_and_a_prefill_does_not():
+    """gemm=True: the products of a decode step (one token a row) become inductor's C++ kernels, chosen without
+    timing them against the library's; a prefill's stay the library's calls."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+    torch._dynamo.reset()
+    eager = sharpen(tiny(flash=False)).eval()
+    fast = compiled(copy.deepcopy(eager), freeze=True, gemm=True)
+    batch = ids(eager, B=2, T=5)
+    with torch.no_grad(), fresh_cache():  # a cached graph is not generated again, and counts nothing
+        counters.clear()
+        assert torch.allclose(fast(batch)[0], eager(batch)[0], rtol=0, atol=1e-4)
+        assert counters["inductor"]["cpp_templated_kernel_counter"] == 0
+        assert torch.allclose(fast(batch[:, :1])[0], eager(batch[:, :1])[0], rtol=0, atol=1e-4)
+        assert counters["inductor"]["cpp_templated_kernel_counter"] > 0
+        assert counters["inductor"]["select_algorithm_autotune"] == 0
+    with pytest.raises(ValueError, match="gemm=True needs freeze=True"):
+        compiled(copy.deepcopy(eager), freeze=False, gemm=True)
 
 
-@pytest.mark.parametrize("flash,freeze,matvec", [(True, False, False), (False, False, True), (True, True, True)])
-def test_a_compiled_model_decodes_what_the_eager_one_does(flash, freeze, matvec):
-    """engine.compiled (sample.py and serve.py --compile), its weights inputs of the graph or frozen into it, one
-    row's products as matrix products or as multiply-and-sum (on any CPU, whichever its vendor picks): prompts
+@pytest.mark.parametrize("flash,freeze,gemm", [(True, False, False), (False, True, True), (True, True, False)])
+def test_a_compiled_model_decodes_what_the_eager_one_does(flash, freeze, gemm):
+    """engine.compiled (sample.py and serve.py --compile), its weights inputs of the graph or frozen into it, a
+    decode step's products the library's or inductor's own kernels (on any CPU, whichever its vendor picks): prompts
     prefilled together and alone, rows in lockstep, rows joining and leaving the batch at their own positions, one
     row alone: the tokens of the eager model. The compiled kernels sum in their own order, so the logits agree to
     rounding, not bit for bit."""
     torch._dynamo.reset()  # the graphs earlier tests compiled count toward dynamo's limit, past which it runs eager
     eager = sharpen(tiny(flash=flash)).eval()
-    fast = compiled(copy.deepcopy(eager), freeze=freeze, matvec=matvec)
+    fast = compiled(copy.deepcopy(eager), freeze=freeze, gemm=gemm)
     batch = ids(eager, B=3, T=7)
     with torch.no_grad():
         assert torch.allclose(fast(batch)[0], eager(batch)[0], rtol=0, atol=1e-4)
