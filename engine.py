@@ -36,14 +36,14 @@ def compiled(model, freeze: bool | None = None, gemm: bool | None = None):
     matrix products: on an AMD EPYC they decoded 8 streams 1.6x as fast as MKL's, PyTorch's default, while on an
     Intel Xeon MKL's were the faster (docs/performance.md). gemm=True (frozen weights only) has inductor write the
     products of a decode step (one token a row) as C++ kernels of its own, blocked for these weights and the CPU's
-    vector width: on an AMD EPYC one stream decoded 2x and 8 streams 1.3x as fast as with oneDNN's; a prompt's
-    prefill keeps oneDNN's, faster at hundreds of rows. None turns either on for AMD CPUs alone, where they were
-    measured. A frozen model changed after compiling runs its old weights, so compile only a model whose weights
-    are final (sample.py, serve.py)."""
+    vector width: on an AMD EPYC one stream decoded 1.7x and 8 streams 1.3x as fast as with oneDNN's, while on an
+    Intel Xeon they lost to MKL's at 8 rows; a prefill keeps the library's, faster at hundreds of rows. None turns
+    either on for AMD CPUs alone (gemm only where frozen). A frozen model changed after compiling runs its old
+    weights, so compile only a model whose weights are final (sample.py, serve.py)."""
     from torch._inductor.compile_fx import compile_fx
     amd = next(model.parameters()).device.type == "cpu" and cpu_info().get("vendor_id") == "AuthenticAMD"
     freeze = amd if freeze is None else freeze
-    gemm = amd if gemm is None else gemm
+    gemm = amd and freeze if gemm is None else gemm
     if gemm and not freeze:
         raise ValueError("engine.compiled: gemm=True needs freeze=True (inductor's kernels take constant weights)")
 

@@ -444,6 +444,7 @@ def test_a_decode_step_takes_inductors_own_product_kernels_untimed_and_a_prefill
         assert counters["inductor"]["select_algorithm_autotune"] == 0
     with pytest.raises(ValueError, match="gemm=True needs freeze=True"):
         compiled(copy.deepcopy(eager), freeze=False, gemm=True)
+    compiled(copy.deepcopy(eager), freeze=False)  # on any CPU: unfrozen, gemm's default is off
 
 
 @pytest.mark.parametrize("flash,freeze,gemm", [(True, False, False), (False, True, True), (True, True, False)])
