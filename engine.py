@@ -53,9 +53,10 @@ def compiled(model, freeze: bool | None = None, gemm: bool | None = None):
     forward = torch.compile(model.forward, dynamic=True, backend=inductor)
 
     def compiled_forward(idx, *args, **kwargs):  # settings read as dynamo traces: compile_fx patches them too late
-        decode = gemm and idx.size(1) == 1  # a graph of its own: dynamo specializes a size of 1
-        with torch._inductor.config.patch(freezing=freeze, max_autotune_gemm=decode,
-                                          max_autotune_gemm_backends="CPP,ATEN"):
+        settings = {"freezing": True} if freeze else {}
+        if gemm and idx.size(1) == 1:  # a decode step, a graph of its own: dynamo specializes a size of 1
+            settings.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN")
+        with torch._inductor.config.patch(settings):
             return forward(idx, *args, **kwargs)
     model.forward = compiled_forward
     return model
