@@ -48,7 +48,7 @@ def compiled(model, freeze: bool | None = None, gemm: bool | None = None):
         raise ValueError("engine.compiled: gemm=True needs freeze=True (inductor's kernels take constant weights)")
 
     def inductor(graph, example_inputs):  # a backend of its own per call: graphs of other settings are not reused
-        with own_kernels_untimed():
+        with own_kernels_untimed() if gemm else contextlib.nullcontext():  # a user's own autotuning left as it is
             return compile_fx(graph, example_inputs, config_patches={"cpp_wrapper": True})
     forward = torch.compile(model.forward, dynamic=True, backend=inductor)
 
