@@ -217,8 +217,10 @@ class Attention(nn.Module):
             mask = torch.zeros(packed.shape, dtype=q.dtype, device=q.device).masked_fill(~packed, float("-inf"))
             mask = mask[:, None, None]
         out = []
-        for t0 in range(0, T, ATTENTION_TILE):
-            t1 = min(t0 + ATTENTION_TILE, T)
+        # compiled for generation, one tile: a loop over T's tiles would make each prompt length a graph of its own
+        whole = torch.compiler.is_compiling() and not self.training
+        for t0 in [0] if whole else range(0, T, ATTENTION_TILE):
+            t1 = T if whole else min(t0 + ATTENTION_TILE, T)
             seen = start_pos + t1  # keys the tile's last row sees; the rows above it see fewer (masked)
             q_tile = q[:, :, :, t0:t1].reshape(B * K, H // K * (t1 - t0), D)
             if packed is None:

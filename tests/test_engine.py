@@ -1,5 +1,6 @@
 """engine.py: the KV cache against full forwards, the engine's rows against each row alone and against
 recomputation, sampling, and the text a stream may show."""
+import contextlib
 import copy
 import random
 
@@ -447,6 +448,30 @@ def test_a_decode_step_takes_inductors_own_product_kernels_untimed_and_a_prefill
     compiled(copy.deepcopy(eager), freeze=False)  # on any CPU: unfrozen, gemm's default is off
 
 
+def served(model, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    """Each prompt's tokens, decoded as a server does with room for 2 rows: rows start and end at different steps."""
+    engine, waiting = Engine(model, max_batch=2), [Row(p, n) for p, n in zip(prompts, lengths)]
+    rows = list(waiting)
+    while waiting or engine.rows:
+        while waiting and len(engine.rows) < 2:
+            engine.add([waiting.pop(0)])
+        engine.step()
+    return [row.tokens for row in rows]
+
+
+def test_a_compiled_model_warmed_up_as_the_server_does_takes_prompts_of_new_lengths_without_compiling():
+    """serve.py --compile compiles each kind of call once before it listens (warmed_up). Prompts of other lengths,
+    one longer than an attention tile, and rows at their own positions then compile nothing: a compile would stall
+    every stream for a minute, and past dynamo's limit of graphs the model would run eagerly."""
+    from serve import warmed_up
+    torch._dynamo.reset()
+    eager = sharpen(tiny(flash=False, max_seq_len=160)).eval()
+    fast = warmed_up(compiled(copy.deepcopy(eager)), contextlib.nullcontext)
+    prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 70, 11)]
+    with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
+        assert served(fast, prompts, [9, 5, 7]) == served(eager, prompts, [9, 5, 7])
+
+
 @pytest.mark.parametrize("flash,freeze,gemm", [(True, False, False), (False, True, True), (True, True, False)])
 def test_a_compiled_model_decodes_what_the_eager_one_does(flash, freeze, gemm):
     """engine.compiled (sample.py and serve.py --compile), its weights inputs of the graph or frozen into it, a
@@ -461,18 +486,7 @@ def test_a_compiled_model_decodes_what_the_eager_one_does(flash, freeze, gemm):
     with torch.no_grad():
         assert torch.allclose(fast(batch)[0], eager(batch)[0], rtol=0, atol=1e-4)
     prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 5, 12)]
-    lengths = [20, 6, 14, 9]
-
-    def served(model) -> list[list[int]]:  # room for 2 rows: rows start and end at different steps
-        engine, waiting = Engine(model, max_batch=2), [Row(p, n) for p, n in zip(prompts, lengths)]
-        rows = list(waiting)
-        while waiting or engine.rows:
-            while waiting and len(engine.rows) < 2:
-                engine.add([waiting.pop(0)])
-            engine.step()
-        return [row.tokens for row in rows]
-
-    assert served(fast) == served(eager)
+    assert served(fast, prompts, [20, 6, 14, 9]) == served(eager, prompts, [20, 6, 14, 9])
     assert run(fast, batch, 12) == run(eager, batch, 12)
     assert run(fast, batch[:1], 12) == run(eager, batch[:1], 12)
     with torch.no_grad():  # frozen, the graph keeps the weights it was compiled with; else it reads the model's
