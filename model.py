@@ -200,6 +200,10 @@ class Attention(nn.Module):
         K, S = k.size(1), k.size(2)
         # the H // K query heads that share a kv head become rows of one matmul against it: no repeated k, v
         q = (q / math.sqrt(D)).view(B, K, H // K, T, D)
+        if T == 1 and packed is None and torch.compiler.is_compiling():
+            # a compiled decode step: one pass over the cache, where a batched matmul per head group would have
+            # MKL pack its one query row and the keys first (a tenth of a 26m step at 8 rows on a CPU)
+            return one_query_attention(q, k, v, start_pos, dropout, self.training).view(B, H, T, D)
         k, v = k.reshape(B * K, S, D), v.reshape(B * K, S, D)
         if not isinstance(start_pos, int):  # one query per row (T == 1) at its own position
             visible = visible_keys(start_pos, T, S, q.device)  # (B, 1, S)
@@ -232,6 +236,18 @@ class Attention(nn.Module):
             probs = F.dropout(scores.float().softmax(dim=-1), dropout, self.training)  # fp32: bf16 loses the tail
             out.append((probs.to(v.dtype) @ v[:, :seen]).view(B, K, H // K, t1 - t0, D))
         return torch.cat(out, dim=3).view(B, H, T, D)
+
+
+def one_query_attention(q, k, v, start_pos: int | torch.Tensor, dropout: float = 0.0, training: bool = False):
+    """Attention of one query a row as multiplies and sums, which inductor fuses into one loop over the keys (eagerly
+    it would hold (B, K, H // K, S, D) products): q (B, K, H // K, 1, D) already scaled, k and v (B, K, S, D);
+    start_pos an int (every key visible) or each row's own position (B,). -> (B, K, H // K, D)."""
+    scores = (q * k[:, :, None]).sum(-1)  # (B, K, H // K, S)
+    if not isinstance(start_pos, int):
+        visible = visible_keys(start_pos, 1, k.size(2), q.device)  # (B, 1, S)
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    probs = F.dropout(scores.float().softmax(dim=-1), dropout, training)
+    return (probs.to(v.dtype)[..., None] * v[:, :, None]).sum(-2)
 
 
 def kernel_takes_groups(q: torch.Tensor, mask: torch.Tensor | None) -> bool:

@@ -9,7 +9,7 @@ import torch
 import model as model_py
 from config import load_config
 from conftest import bound, tiny
-from model import ModelConfig, Transformer, apply_rope, reference_attention
+from model import ModelConfig, Transformer, apply_rope, one_query_attention, reference_attention
 from optim import configure_optimizer
 
 
@@ -74,6 +74,20 @@ def test_both_attention_paths_equal_the_plain_reference(flash, tile, start_pos, 
     q, k, v, start = attention_inputs(start_pos, device)
     attend = attention.sdpa_attention if flash else attention.math_attention
     assert (attend(q, k, v, start, 0.0) - reference_attention(q, k, v, start)).abs().max() <= bound(1e-5, device)
+
+
+@pytest.mark.parametrize("start_pos", [0, 7, 19, "per row"])
+def test_the_math_path_as_compiled_for_generation_equals_the_plain_reference(start_pos, device, monkeypatch):
+    """Traced by torch.compile in eval mode, the math path takes a prompt (start 0, 7) in one tile, and one query a
+    row (start 19: after every key, or each row at its own position) as multiplies and sums."""
+    calls = []
+    monkeypatch.setattr(model_py, "one_query_attention", lambda *a: calls.append(1) or one_query_attention(*a))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    attention = tiny(flash=False).eval().layers[0].attention
+    q, k, v, start = attention_inputs(start_pos, device)
+    out = attention.math_attention(q, k, v, start, 0.0)
+    assert (out - reference_attention(q, k, v, start)).abs().max() <= bound(1e-5, device)
+    assert len(calls) == (q.size(2) == 1)
 
 
 @pytest.mark.parametrize("start_pos", [0, 7, "per row"])
