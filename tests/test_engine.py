@@ -429,20 +429,26 @@ def test_a_text_stream_decodes_a_bounded_number_of_ids_per_token(vocab):
 
 def test_a_decode_step_takes_inductors_own_product_kernels_untimed_and_a_prefill_does_not():
     """gemm=True: the products of a decode step (one token a row) become inductor's C++ kernels, chosen without
-    timing them against the library's; a prefill's stay the library's calls."""
+    timing them against the library's, that read the weights ahead; a prefill's stay the library's calls, and
+    inductor's kernel is left as it was for other compiles."""
     from torch._dynamo.utils import counters
-    from torch._inductor.utils import fresh_cache
+    from torch._inductor.utils import fresh_cache, run_and_get_cpp_code
     torch._dynamo.reset()
     eager = sharpen(tiny(flash=False)).eval()
     fast = compiled(copy.deepcopy(eager), freeze=True, gemm=True)
+    from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec  # after compile_fx: they import in a cycle
     batch = ids(eager, B=2, T=5)
+    kernel = CppMicroGemmFP32Vec.TEMPLATE_KERNEL
     with torch.no_grad(), fresh_cache():  # a cached graph is not generated again, and counts nothing
         counters.clear()
         assert torch.allclose(fast(batch)[0], eager(batch)[0], rtol=0, atol=1e-4)
         assert counters["inductor"]["cpp_templated_kernel_counter"] == 0
-        assert torch.allclose(fast(batch[:, :1])[0], eager(batch[:, :1])[0], rtol=0, atol=1e-4)
+        (logits, _), code = run_and_get_cpp_code(fast, batch[:, :1])
+        assert torch.allclose(logits, eager(batch[:, :1])[0], rtol=0, atol=1e-4)
         assert counters["inductor"]["cpp_templated_kernel_counter"] > 0
         assert counters["inductor"]["select_algorithm_autotune"] == 0
+    assert "__builtin_prefetch(B + (k + 32) * ldb" in code
+    assert CppMicroGemmFP32Vec.TEMPLATE_KERNEL == kernel and "prefetch(B + (k + 32)" not in kernel
     with pytest.raises(ValueError, match="gemm=True needs freeze=True"):
         compiled(copy.deepcopy(eager), freeze=False, gemm=True)
     compiled(copy.deepcopy(eager), freeze=False)  # on any CPU: unfrozen, gemm's default is off
