@@ -33,6 +33,11 @@ def ids(model, B=3, T=17, seed=1) -> torch.Tensor:
     return torch.randint(0, model.config.vocab_size, (B, T), generator=g)
 
 
+def prompts_of(*lengths: int) -> list[list[int]]:
+    """A random prompt of each length (ids below the tiny model's vocab_size), seeded by its length."""
+    return [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+
+
 def run(model, prompts, max_new, **options) -> list[list[int]]:
     """generate() to the end: each row's tokens."""
     for rows in generate(model, [p.tolist() if torch.is_tensor(p) else p for p in prompts], max_new, **options):
@@ -180,8 +185,7 @@ def test_rows_joining_and_leaving_the_batch_get_what_they_get_alone(flash, devic
     # 7 prompts, room for 3 rows: rows start and end at different steps, and later prompts wait for a row
     monkeypatch.setattr(model_py, "ATTENTION_TILE", 4)
     model = sharpen(tiny(flash=flash)).to(device).eval()
-    prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-               for n in (3, 9, 5, 12, 4, 7, 6)]
+    prompts = prompts_of(3, 9, 5, 12, 4, 7, 6)
     lengths = [20, 6, 14, 3, 25, 9, 11]
     engine = Engine(model, max_batch=3)
     waiting = [Row(prompt, n) for prompt, n in zip(prompts, lengths)]
@@ -473,7 +477,7 @@ def test_a_compiled_model_warmed_up_as_the_server_does_takes_prompts_of_new_leng
     torch._dynamo.reset()
     eager = sharpen(tiny(flash=False, max_seq_len=160)).eval()
     fast = warmed_up(compiled(copy.deepcopy(eager)), contextlib.nullcontext)
-    prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 70, 11)]
+    prompts = prompts_of(6, 70, 11)
     with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
         assert served(fast, prompts, [9, 5, 7]) == served(eager, prompts, [9, 5, 7])
 
@@ -491,7 +495,7 @@ def test_a_compiled_model_decodes_what_the_eager_one_does(flash, freeze, gemm):
     batch = ids(eager, B=3, T=7)
     with torch.no_grad():
         assert torch.allclose(fast(batch)[0], eager(batch)[0], rtol=0, atol=1e-4)
-    prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 5, 12)]
+    prompts = prompts_of(3, 9, 5, 12)
     assert served(fast, prompts, [20, 6, 14, 9]) == served(eager, prompts, [20, 6, 14, 9])
     assert run(fast, batch, 12) == run(eager, batch, 12)
     assert run(fast, batch[:1], 12) == run(eager, batch[:1], 12)
