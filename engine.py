@@ -62,8 +62,8 @@ def compiled(model, freeze: bool | None = None, gemm: bool | None = None):
     return model
 
 
-# inductor's float32 micro-kernel reads a weight row (k) per step of its loop; asking for the row 32 ahead (4 KB on
-# in a packed block) keeps memory busy while the FMAs run: 8 streams decoded 1.08-1.12x as fast on a Zen 4 EPYC
+# inductor's float32 micro-kernel reads a weight row (k) per step of its loop; asking for the row 32 steps ahead
+# (4 KB further in a packed block) keeps memory busy while the FMAs run: 8 streams 1.08-1.12x as fast on a Zen 4
 WEIGHT_ROW_READ = "            vb[col] = Vectorized::loadu(B + k * ldb + col * VLEN);\n"
 PREFETCHED_ROW_READ = WEIGHT_ROW_READ + """\
 #if defined(__GNUC__)
