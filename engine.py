@@ -41,9 +41,9 @@ def compiled(model, freeze: bool | None = None, gemm: bool | None = None):
     hundreds of rows. None turns either on for AMD CPUs alone (gemm only where frozen). A frozen model changed
     after compiling runs its old weights, so compile only a model whose weights are final (sample.py, serve.py)."""
     from torch._inductor.compile_fx import compile_fx
-    amd = next(model.parameters()).device.type == "cpu" and cpu_info().get("vendor_id") == "AuthenticAMD"
-    freeze = amd if freeze is None else freeze
-    gemm = amd and freeze if gemm is None else gemm
+    own = own_kernels_by_default(model)
+    freeze = own if freeze is None else freeze
+    gemm = own and freeze if gemm is None else gemm
     if gemm and not freeze:
         raise ValueError("engine.compiled: gemm=True needs freeze=True (inductor's kernels take constant weights)")
 
@@ -60,6 +60,11 @@ def compiled(model, freeze: bool | None = None, gemm: bool | None = None):
             return forward(idx, *args, **kwargs)
     model.forward = compiled_forward
     return model
+
+
+def own_kernels_by_default(model) -> bool:
+    """Whether compiled freezes the weights and takes inductor's own product kernels by default: on AMD CPUs."""
+    return next(model.parameters()).device.type == "cpu" and cpu_info().get("vendor_id") == "AuthenticAMD"
 
 
 # inductor's float32 micro-kernel reads a weight row (k) per step of its loop; asking for the row 32 steps ahead

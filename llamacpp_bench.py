@@ -14,8 +14,10 @@ last ones (decode: the other new_tokens - 1 steps).
 In rounds -- nanomind, llama.cpp float32, llama.cpp Q8_0, with 1 stream, then with `streams` -- so that the
 machine's changing load hits all alike: each cell's median tokens/s and its spread over the rounds, each round's
 ratio of nanomind's decode tokens/s to the other's, and the share of the other's greedy tokens that are nanomind's
-(the float32 file's are, but for near ties: the same work is timed). With --compile=True nanomind runs twice a
-turn, eager and with its forward compiled (engine.compiled), and the ratios are the compiled one's. llama.cpp keeps
+(the float32 file's are, but for near ties: the same work is timed). With --compile=True nanomind runs three times a
+turn: eager; with its forward compiled (engine.compiled, as sample.py and serve.py compile it), whose ratios are the
+ones; and compiled with the other choice of matrix products (other_products), so that one run shows what
+engine.compiled's choice for this CPU is worth (its row's ratio: the default's tokens/s over its own). llama.cpp keeps
 its own defaults otherwise: a float16 KV cache and flash attention (auto: on), which round attention's inputs to
 float16 and move the logits by ~5e-3 (a near tie may go the other way, and the rest of that stream with it;
 LlamaCpp(exact=True) computes nanomind's logits to ~5e-6), and a KV buffer per sequence. nanomind's KV cache is in
@@ -31,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine import compiled, generate
+from engine import compiled, generate, own_kernels_by_default
 from errors import ConfigError
 from gguf_export import export_gguf
 from hf_export import tokenizer_files
@@ -241,11 +243,11 @@ def compare(bench, cfg, model_cfg, tmp: str) -> list[dict]:
         lc.llama_backend_init()
         llamas = {dtype: load_llama_cpp(lc, path, dtype != "float32", stack) for dtype, path in paths.items()}
         engines, contexts = {}, []
-        fast = compiled(copy.deepcopy(model)) if cfg.compile else None
+        fast = {COMPILED: compiled(copy.deepcopy(model)), **other_products(model)} if cfg.compile else {}
         for n in streams:
             engines[NANOMIND, n] = lambda p, k: nanomind_generate(model, run, p, k)
-            if fast is not None:
-                engines[COMPILED, n] = lambda p, k: nanomind_generate(fast, run, p, k)
+            for name, m in fast.items():
+                engines[name, n] = lambda p, k, m=m: nanomind_generate(m, run, p, k)
             for dtype, (llama_model, _) in llamas.items():
                 contexts.append(LlamaCpp(lc, llama_model, n, T, max_len, threads, stack))
                 engines[f"llama.cpp {dtype}", n] = contexts[-1].generate
@@ -258,6 +260,15 @@ def compare(bench, cfg, model_cfg, tmp: str) -> list[dict]:
             torch.set_num_threads(before)
     return [row | {"threads": threads, "prompt_tokens": T, "new_tokens": bench.new_tokens}
             for row in rows_of(timed, COMPILED if cfg.compile else NANOMIND)]
+
+
+def other_products(model) -> dict:
+    """The model compiled with the matrix products engine.compiled does not take on this CPU by default: the library's
+    (MKL, weights as they are) where it takes inductor's own kernels (frozen weights), and those where it takes the
+    library's -- the same two choices on every CPU."""
+    own = not own_kernels_by_default(model)
+    name = f"{COMPILED}, {'inductor' if own else 'library'} products"
+    return {name: compiled(copy.deepcopy(model), freeze=own, gemm=own)}
 
 
 def describe(bench, cfg, model, run, threads: int, lc, context: LlamaCpp, llamas: dict):
@@ -276,7 +287,8 @@ def describe(bench, cfg, model, run, threads: int, lc, context: LlamaCpp, llamas
           f"n_threads and n_threads_batch); {bench.rounds} rounds in turns")
     extra = ", ".join(f"{dtype} {'on' if on else 'off (AMX crash workaround)'}" for dtype, (_, on) in llamas.items())
     print(f"nanomind: engine.generate, {run.dtype}, KV cache {run.dtype}"
-          f"{', eager and compiled (engine.compiled)' if cfg.compile else ''}; llama.cpp {lc.__version__} "
+          f"{', eager, compiled (engine.compiled) and compiled with the other products' if cfg.compile else ''}; "
+          f"llama.cpp {lc.__version__} "
           f"(llama-cpp-python's low-level batch API): KV cache {types.get(context.kv_type, context.kv_type)} and "
           f"flash attention {flash} (its defaults), extra buffer types {extra}")
 

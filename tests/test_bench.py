@@ -388,6 +388,18 @@ def test_with_compile_the_ratios_and_the_last_line_are_the_compiled_engine_s():
     assert llamacpp_bench.summary(list(rows.values())) == "nanomind compiled / llama.cpp decode tokens/s: 1 stream 0.50x"
 
 
+@pytest.mark.parametrize("own_by_default", [True, False])
+def test_the_other_compiled_engine_takes_the_product_kernels_the_default_does_not(monkeypatch, own_by_default):
+    calls = []
+    monkeypatch.setattr(llamacpp_bench, "own_kernels_by_default", lambda model: own_by_default)
+    monkeypatch.setattr(llamacpp_bench, "compiled", lambda model, **kwargs: calls.append(kwargs) or model)
+    other = llamacpp_bench.other_products(tiny())
+    # inductor's kernels need frozen weights; the library's run as they are, as engine.compiled's default elsewhere
+    expected = ("library", False) if own_by_default else ("inductor", True)
+    assert list(other) == [f"nanomind compiled, {expected[0]} products"]
+    assert calls == [{"freeze": expected[1], "gemm": expected[1]}]
+
+
 def test_llamacpp_mode_without_llama_cpp_or_with_too_many_tokens_is_one_error_line(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed: import raises ImportError
     with pytest.raises(ConfigError, match=r"^mode=llamacpp needs llama-cpp-python .*: pip install llama-cpp-python$"):
