@@ -15,8 +15,8 @@ In rounds -- nanomind, llama.cpp float32, llama.cpp Q8_0, with 1 stream, then wi
 machine's changing load hits all alike: each cell's median tokens/s and its spread over the rounds, each round's
 ratio of nanomind's decode tokens/s to the other's, and the share of the other's greedy tokens that are nanomind's
 (the float32 file's are, but for near ties: the same work is timed). With --compile=True nanomind runs three times a
-turn: eager; with its forward compiled (engine.compiled, as sample.py and serve.py compile it), whose ratios are the
-ones; and compiled with the other choice of matrix products (other_products), so that one run shows what
+turn: eager; with its forward compiled (engine.compiled, as sample.py and serve.py compile it), the one the ratios
+are of; and compiled with the other choice of matrix products (other_products), so that one run shows what
 engine.compiled's choice for this CPU is worth (its row's ratio: the default's tokens/s over its own). llama.cpp keeps
 its own defaults otherwise: a float16 KV cache and flash attention (auto: on), which round attention's inputs to
 float16 and move the logits by ~5e-3 (a near tie may go the other way, and the rest of that stream with it;
